@@ -1,0 +1,1 @@
+"""k3verify harness: captures, replay, metrics, tolerance policy, reports, CLI."""

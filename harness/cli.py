@@ -1,0 +1,50 @@
+"""`k3verify` command line. Each subcommand lives in its own module and exposes
+`cli(argv) -> int`; bad input or usage exits 2 with one line on stderr."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("harness.demo", "synthesize tiny captures, replay them through the best backend here, write reports"),
+    "replay": ("harness.replay", "replay captures through a backend and judge every stage"),
+    "synth": ("harness.synth", "write synthetic captures (reference run over a stack of layers)"),
+    "golden": ("harness.golden", "regenerate or check the golden files"),
+    "compile": ("harness.compile_cmd", "compile FlyDSL builds without running them; print ISA resources"),
+    "diff": ("harness.report", "compare two JSON reports: did the numerics get worse?"),
+    "ref": ("harness.ref_cmd", "run the reference over one synthetic step and print a per-stage summary"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: k3verify COMMAND [options]", "", "commands:"]
+    lines += [f"  {c:<8} {h}" for c, (_, h) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from ref.abi import ArgError
+
+    from .errors import InputError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"k3verify: unknown command {cmd!r}\n{usage()}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(COMMANDS[cmd][0])
+    try:
+        return int(mod.cli(rest) or 0)
+    except (InputError, ArgError) as e:
+        print(f"k3verify {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"k3verify {cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Where the reference rounds: one object that knows the mode.
+
+exact  — fp32 compute, `bf()` rounds to bf16 (round-to-nearest-even) at the
+         contract's rounding points;
+oracle — float64 compute, `bf()` is the identity (no bf16 rounding at all);
+perturb=seed (exact only) — split-K chunk order and reduction orders drawn from the
+         seed, to measure the reference's own spread.
+"""
+from __future__ import annotations
+
+import torch
+
+MODES = ("exact", "oracle")
+
+
+class Num:
+    def __init__(self, mode: str = "exact", perturb: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode: {mode!r} not in {MODES}")
+        if perturb is not None and mode != "exact":
+            raise ValueError("perturb: only in exact mode")
+        self.mode = mode
+        self.perturb = perturb
+        self.dtype = torch.float64 if mode == "oracle" else torch.float32
+        self._gen = None
+        if perturb is not None:
+            self._gen = torch.Generator()
+            self._gen.manual_seed(int(perturb))
+
+    @property
+    def oracle(self) -> bool:
+        return self.mode == "oracle"
+
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        """Upcast to the compute dtype (exact for bf16/fp32 inputs)."""
+        return x.to(self.dtype)
+
+    def bf(self, x: torch.Tensor) -> torch.Tensor:
+        """A contract rounding point: bf16 in exact mode, nothing in oracle mode."""
+        return x if self.oracle else x.to(torch.bfloat16)
+
+    def perm(self, n: int) -> list[int]:
+        """Identity order, or a seeded permutation under perturb."""
+        if self._gen is None or n <= 1:
+            return list(range(n))
+        return torch.randperm(n, generator=self._gen).tolist()
+
+    def mm(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K] @ w[N, K]^T accumulated in the compute dtype (fp32 / f64).
+
+        Under perturb the K dim is split into chunks summed in a seeded order.
+        """
+        a, w = self.f(a), self.f(w)
+        if self._gen is None:
+            return _no_tf32(lambda: a @ w.transpose(-1, -2))
+        k = a.shape[-1]
+        n = max(1, min(8, k // 16))
+        bounds = [round(i * k / n) for i in range(n + 1)]
+        acc = None
+        for i in self.perm(n):
+            lo, hi = bounds[i], bounds[i + 1]
+            part = _no_tf32(lambda: a[..., lo:hi] @ w[..., lo:hi].transpose(-1, -2))
+            acc = part if acc is None else acc + part
+        return acc
+
+
+def _no_tf32(fn):
+    """fp32 GEMMs must stay fp32 on CUDA to be the contract: refuse TF32."""
+    if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
+        raise RuntimeError("reference: TF32 matmul is enabled (torch.backends.cuda.matmul.allow_tf32 / "
+                           "set_float32_matmul_precision); the contract needs full fp32 GEMMs")
+    return fn()

@@ -1,0 +1,115 @@
+"""K2 — o_proj all-reduce, MLP AttnRes, latent MoE, top to bottom (DESIGN §5 K2)."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from . import abi
+from ._num import Num
+from .attnres import attnres, sources
+from .comm import SimWorld, run_world
+from .config import EXPERT_FORMATS, K2Build
+from .latent_tail import latent_norm, up_proj
+from .norms import rmsnorm
+from .o_proj import o_proj_partial, reduce_bf
+from .router import router_logits, select
+from .routed_experts import routed_experts
+from .shared_expert import shared_expert
+
+
+def _check(key: K2Build, a: dict, mode: str, rank, comm) -> dict:
+    if key.experts not in EXPERT_FORMATS:
+        raise abi.ArgError("key.experts", f"{key.experts!r} not in {EXPERT_FORMATS}")
+    d = abi.check_args(abi.K2_ARGS, a, mode, key.experts)
+    if key.tokens != d["S"]:
+        raise abi.ArgError("key.tokens", f"{key.tokens} but prefix has {d['S']} rows")
+    if not 0 <= key.nblocks <= d["NB"]:
+        raise abi.ArgError("key.nblocks", f"{key.nblocks} outside 0..{d['NB']}")
+    if not 1 <= key.topk <= d["E"]:
+        raise abi.ArgError("key.topk", f"{key.topk} outside 1..E={d['E']}")
+    if comm is None:
+        raise abi.ArgError("comm", "K2 needs a collective (ref.comm.SimWorld / DistComm)")
+    if not isinstance(rank, int) or not 0 <= rank < comm.world:
+        raise abi.ArgError("rank", f"{rank!r} outside 0..{comm.world - 1}")
+    if d["UP"] * comm.world != d["H"]:
+        raise abi.ArgError("w_up", f"{d['UP']} rows × world {comm.world} != hidden {d['H']}")
+    fmt, lat, ri2 = key.experts, d["LAT"], d["RI2"]
+    abi.expect_multiple("w13", lat, 32)
+    abi.expect_multiple("w2", ri2 // 2, 32)
+    want13 = lat if fmt == "bf16" else lat // 2
+    want2 = ri2 // 2 if fmt == "bf16" else ri2 // 4
+    if a["w13"].shape[2] != want13:
+        raise abi.ArgError("w13", f"last dim {a['w13'].shape[2]}, expected {want13} for {fmt}")
+    if a["w2"].shape[2] != want2:
+        raise abi.ArgError("w2", f"last dim {a['w2'].shape[2]}, expected {want2} for {fmt}")
+    if fmt != "bf16":
+        for n, k in (("w13s", lat), ("w2s", ri2 // 2)):
+            if a[n].shape[2] != k // 32:
+                raise abi.ArgError(n, f"last dim {a[n].shape[2]}, expected {k // 32} (one scale per 32)")
+    return d
+
+
+def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_nw, w_gate, bias, w_ld, w_sgu,
+              w_sd, w13, w13s, w2, w2s, ln_w, w_up, out, layer=None, rank=0, comm=None, taps=None,
+              mode: str = "exact", perturb: int | None = None, force_ids=None, **_runtime) -> None:
+    """K2 of one rank. Writes prefix and out in place; meets the other ranks at 3 reductions."""
+    args = dict(core=core, w_o=w_o, prefix=prefix, blocks=blocks, ares_nw=ares_nw, ares_qk=ares_qk, in_nw=in_nw,
+                w_gate=w_gate, bias=bias, w_ld=w_ld, w_sgu=w_sgu, w_sd=w_sd, w13=w13, w13s=w13s, w2=w2,
+                w2s=w2s, ln_w=ln_w, w_up=w_up, out=out)
+    _check(key, args, mode, rank, comm)
+    num = Num(mode, perturb)
+    beta, lam = key.situ_beta, key.situ_linear_beta
+
+    # 1. o_proj partial, all-reduce #1
+    delta = reduce_bf(o_proj_partial(core, w_o, num), rank, comm, num)
+    # 2. prefix update (bf16 add unless this layer starts a block)
+    prefix.copy_(delta if key.reset else num.bf(num.f(prefix) + num.f(delta)))
+    # 3. MLP AttnRes + post-attention norm
+    mixed = attnres(sources(blocks, key.nblocks, prefix), ares_nw, ares_qk, key.eps, num)
+    x = rmsnorm(mixed, in_nw, key.out_eps, num)
+    # 4. router (replicated)
+    logits = router_logits(x, w_gate, num)
+    ids, weights = select(logits, bias, key.topk, force_ids)
+    # 5-7. latent down, shared experts, routed experts
+    lat = num.bf(num.mm(x, w_ld))
+    sh = shared_expert(x, w_sgu, w_sd, beta, lam, num)
+    y = routed_experts(lat, ids, weights, w13, w13s, w2, w2s, key.experts, beta, lam, num)
+    # 8. latent all-reduce #2 + norm
+    ln = latent_norm(reduce_bf(y, rank, comm, num), ln_w, key.ln_eps, num)
+    # 9-10. row-sharded up projection, final all-reduce #3
+    fin = up_proj(sh, ln, w_up, rank, num)
+    out.copy_(reduce_bf(fin, rank, comm, num))
+    if taps is not None:
+        taps.update(delta=delta, x=x, logits=logits, topk_ids=ids, topk_w=weights, lat=lat, sh=sh, y=y,
+                    ln=ln, fin=fin)
+
+
+def k2_world(key: K2Build, ranks: Sequence[dict], launch: Callable | None = None, comm=None,
+             order: Sequence[int] | None = None, **extra) -> None:
+    """Run every rank of one K2 step in this process (a thread per rank, simulated collective).
+
+    ranks: one kwarg dict per rank (the K2 names without rank/comm; may hold taps={}).
+    launch: a backend's k2_launch (default: the reference). extra: passed to every rank
+    (mode=, perturb=, ...). Under the reference's perturb the rank order is permuted too.
+    """
+    launch = launch or k2_launch
+    world = len(ranks)
+    if comm is None:
+        if order is None and extra.get("perturb") is not None:
+            order = Num("exact", extra["perturb"] + 7919).perm(world)
+        comm = SimWorld(world, order)
+    run_world(world, lambda r: launch(key, **ranks[r], **extra, rank=r, comm=comm), comm)
+
+
+def upcast(kwargs: dict) -> dict:
+    """Copy for oracle mode: every floating tensor to float64 (exact), others cloned."""
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.double() if v.is_floating_point() else v.clone()
+        elif isinstance(v, dict) and k != "taps":
+            out[k] = upcast(v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,79 @@
+"""K1 — KDA pre-attention, top to bottom as the kernel runs it (DESIGN §5 K1)."""
+from __future__ import annotations
+
+import torch
+
+from . import abi
+from ._num import Num
+from .attnres import attnres, sources
+from .config import KdaPreBuild
+from .conv import short_conv
+from .gate import gates
+from .in_proj import in_proj, split
+from .kda import kda_recurrence
+from .norms import gated_rmsnorm, rmsnorm
+
+
+def _check(key: KdaPreBuild, a: dict, mode: str) -> dict:
+    d = abi.check_args(abi.K1_ARGS, a, mode)
+    S, L = d["S"], key.qlen
+    if key.tokens != S:
+        raise abi.ArgError("key.tokens", f"{key.tokens} but prefix has {S} rows")
+    if L < 1 or S % L:
+        raise abi.ArgError("key.qlen", f"{L} does not divide tokens={S}")
+    if d["R"] != S // L:
+        raise abi.ArgError("st_idx", f"{d['R']} requests, expected tokens/qlen = {S // L}")
+    if key.delta != (a["delta"] is not None):
+        raise abi.ArgError("delta", f"key.delta={key.delta} but delta is {'None' if a['delta'] is None else 'given'}")
+    if key.state_len != d["SL"]:
+        raise abi.ArgError("key.state_len", f"{key.state_len} but conv_state has state_len {d['SL']}")
+    if d["SL"] < d["W"] - 2 + L:
+        raise abi.ArgError("conv_state", f"state_len {d['SL']} < W-2+L = {d['W'] - 2 + L}: too small for the window")
+    if not 0 <= key.nblocks <= d["NB"]:
+        raise abi.ArgError("key.nblocks", f"{key.nblocks} outside 0..{d['NB']}")
+    if not -1 <= key.write_idx < d["NB"]:
+        raise abi.ArgError("key.write_idx", f"{key.write_idx} outside -1..{d['NB'] - 1}")
+    if d["P"] != d["NH"] * d["HD"] or d["C"] != 3 * d["P"]:
+        raise abi.ArgError("w_fb", f"P={d['P']}, C={d['C']} inconsistent with NH={d['NH']}, HD={d['HD']}")
+    rank = d["RK"]
+    if d["NP"] < 4 * d["P"] + rank + d["NH"]:
+        raise abi.ArgError("w_in", f"{d['NP']} rows < 4P+RANK+NH = {4 * d['P'] + rank + d['NH']}")
+    abi.check_k1_indices(a["st_idx"], a["num_acc"], L, d["CS"], d["RS"])
+    return d
+
+
+def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw, w_in, w_fb, conv_w,
+            conv_state, a_log, dt_bias, on_w, rstate, st_idx, num_acc, core_out, layer=None, taps=None,
+            mode: str = "exact", perturb: int | None = None, **_runtime) -> None:
+    """K1 of one rank. Writes prefix, blocks[:, write_idx], conv_state, rstate, core_out in place."""
+    args = dict(prefix=prefix, delta=delta, blocks=blocks, ares_nw=ares_nw, ares_qk=ares_qk, in_nw=in_nw,
+                w_in=w_in, w_fb=w_fb, conv_w=conv_w, conv_state=conv_state, a_log=a_log, dt_bias=dt_bias,
+                on_w=on_w, rstate=rstate, st_idx=st_idx, num_acc=num_acc, core_out=core_out)
+    d = _check(key, args, mode)
+    num = Num(mode, perturb)
+    NH, HD, RK = d["NH"], d["HD"], d["RK"]
+
+    # 1. pending delta, block write (bf16 add: the one rounding of the carry)
+    if delta is not None:
+        prefix.copy_(num.bf(num.f(prefix) + num.f(delta)))
+    pre = prefix
+    if key.write_idx >= 0:
+        blocks[:, key.write_idx] = pre
+    # 2-3. AttnRes over bank + prefix, then the input norm
+    mixed = attnres(sources(blocks, key.nblocks, pre), ares_nw, ares_qk, key.eps, num)
+    x = rmsnorm(mixed, in_nw, key.out_eps, num)
+    # 4. in_proj
+    proj = in_proj(x, w_in, num)
+    parts = split(proj, NH, HD, RK)
+    # 5. short conv with speculative state
+    conv_out = short_conv(parts["qkv"], conv_w, conv_state, st_idx, num_acc, key.qlen, num)
+    # 6. gates
+    gate, beta = gates(parts["fa"], parts["b"], w_fb, a_log, dt_bias, key.lower_bound, num)
+    # 7. recurrence
+    P = NH * HD
+    q, k, v = (conv_out[:, i * P:(i + 1) * P].reshape(-1, NH, HD) for i in range(3))
+    o = kda_recurrence(q, k, v, gate, beta, rstate, st_idx, num_acc, key.qlen, num)
+    # 8. gated norm
+    core_out.copy_(gated_rmsnorm(o, parts["g2"].reshape(-1, NH, HD), on_w, key.onorm_eps, num))
+    if taps is not None:
+        taps.update(x=x, proj=proj, conv_out=conv_out, gate=gate, beta=beta, o=o)

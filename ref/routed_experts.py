@@ -1,0 +1,36 @@
+"""Routed experts, intermediate-sharded, per expert format (DESIGN §5 K2.7, §7)."""
+from __future__ import annotations
+
+import torch
+
+from ._num import Num
+from .quant import dequant_experts, mx_fake_quant
+from .shared_expert import situ
+
+
+def routed_experts(lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13, w13s, w2, w2s, fmt: str,
+                   beta: float, lam: float, num: Num) -> torch.Tensor:
+    """lat [S, LAT] bf16, ids/weights [S, K], w13 [E, 2RI, ·], w2 [E, LAT, ·] -> y [S, LAT].
+
+    Per pick: gemm1 -> SiTU -> gemm2 in fp32; mxfp4 quantizes lat and v per 32 (v never
+    bf16), int4/bf16 round v to bf16; contrib = bf(acc·w); y = bf(y + contrib) in pick order.
+    Only the distinct experts picked are dequantized.
+    """
+    S, K = ids.shape
+    uniq, inv = torch.unique(ids.long(), return_inverse=True)  # inv [S, K]
+    W13 = dequant_experts(w13[uniq], None if w13s is None else w13s[uniq], fmt, num.dtype)  # [U, 2RI, LAT]
+    W2 = dequant_experts(w2[uniq], None if w2s is None else w2s[uniq], fmt, num.dtype)  # [U, LAT, RI]
+    ri = W13.shape[1] // 2
+    a = num.f(lat)
+    if fmt == "mxfp4":
+        a = mx_fake_quant(a)
+    y = torch.zeros(S, lat.shape[1], dtype=num.dtype, device=lat.device)
+    for k in num.perm(K):
+        wk = W13[inv[:, k]]  # [S, 2RI, LAT]
+        gu = torch.einsum("sl,snl->sn", a, wk)
+        v = situ(gu[:, :ri], gu[:, ri:], beta, lam)
+        v = mx_fake_quant(v) if fmt == "mxfp4" else num.f(num.bf(v))
+        acc = torch.einsum("sr,slr->sl", v, W2[inv[:, k]])
+        contrib = num.f(num.bf(acc * num.f(weights[:, k])[:, None]))
+        y = num.f(num.bf(y + contrib))
+    return num.bf(y)
