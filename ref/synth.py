@@ -94,19 +94,19 @@ def k2_weights(cfg: Config, layer: int, rank: int, fmt: str, seed: int = 0, devi
     ri_units = _units(cfg, rank, cfg.ri, UNIT_RI)
 
     def experts(name, shape, std, cat_dim):
-        parts = []
+        """Draw and quantize one unit at a time (a k3-tp8 rank holds ~10 GB of fp32 experts)."""
+        ws, ss = [], []
         for u in ri_units:
-            w = _randn(shape, gen(device, *tag, name, u), device, std)
-            parts.append(w)
-        return torch.cat(parts, dim=cat_dim)
+            w, s = quantize_experts(_randn(shape, gen(device, *tag, name, u), device, std), fmt)
+            ws.append(w)
+            ss.append(s)
+        return torch.cat(ws, dim=cat_dim), (None if ss[0] is None else torch.cat(ss, dim=cat_dim))
 
-    w13_f = torch.cat([experts("eg", (E, UNIT_RI, LAT), LAT ** -0.5, 1),
-                       experts("eu", (E, UNIT_RI, LAT), LAT ** -0.5, 1)], dim=1)
-    w13, w13s = quantize_experts(w13_f, fmt)
-    del w13_f
-    w2_f = experts("ed", (E, LAT, UNIT_RI), g_ri ** -0.5, 2)
-    w2, w2s = quantize_experts(w2_f, fmt)
-    del w2_f
+    g13, g13s = experts("eg", (E, UNIT_RI, LAT), LAT ** -0.5, 1)
+    u13, u13s = experts("eu", (E, UNIT_RI, LAT), LAT ** -0.5, 1)
+    w13 = torch.cat([g13, u13], dim=1)
+    w13s = None if g13s is None else torch.cat([g13s, u13s], dim=1)
+    w2, w2s = experts("ed", (E, LAT, UNIT_RI), g_ri ** -0.5, 2)
     up_units = _units(cfg, rank, cfg.up_n, UNIT_UP)
     w_up = torch.cat([_randn((UNIT_UP, LAT), gen(device, *tag, "up", u), device, LAT ** -0.5) for u in up_units])
     return dict(
