@@ -51,8 +51,8 @@ class Step:
 
 @dataclass
 class Pair:
-    stage: str  # "k1" | "k2"
-    name: str  # output or tap name, e.g. "core_out", "x", "conv_state.carry", "untouched.rstate"
+    stage: str  # "k1" | "k2" | "untouched"
+    name: str  # output or tap name of harness.policy.STAGES[stage]
     rank: int
     view: str  # "chained" | "isolated"
     cand: torch.Tensor
@@ -226,28 +226,28 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
             add("k1", "prefix", r, bk1[r]["prefix"], rk1[r]["prefix"], ok1[r]["prefix"], exact=True)
             wi = m["write_idx"]
             if wi >= 0:
-                add("k1", "blocks.written", r, bk1[r]["blocks"][:, wi], rk1[r]["blocks"][:, wi],
+                add("k1", "blocks", r, bk1[r]["blocks"][:, wi], rk1[r]["blocks"][:, wi],
                     ok1[r]["blocks"][:, wi], dims=("token", "channel"), exact=True)
             keep_rows = [i for i in range(k1_in[r]["blocks"].shape[1]) if i != wi]
-            add("k1", "untouched.blocks", r, bk1[r]["blocks"][:, keep_rows], k1_in[r]["blocks"][:, keep_rows],
+            add("untouched", "blocks", r, bk1[r]["blocks"][:, keep_rows], k1_in[r]["blocks"][:, keep_rows],
                 dims="blocks", exact=True)
             cw, keep, Wc = m["conv_written"], m["keep"], m["W"]
             bcs, rcs, ocs, ics = bk1[r]["conv_state"], rk1[r]["conv_state"], ok1[r]["conv_state"], k1_in[r]["conv_state"]
             ncar = Wc - 2  # carried window entries at [0, W-2), new in_proj values at [W-2, W-2+L)
             if bool(cw.any()):
-                add("k1", "conv_state.carry", r, bcs[cw][..., :ncar], rcs[cw][..., :ncar], ocs[cw][..., :ncar],
+                add("k1", "conv_carry", r, bcs[cw][..., :ncar], rcs[cw][..., :ncar], ocs[cw][..., :ncar],
                     dims="conv_state", exact=True)
-                add("k1", "conv_state.new", r, bcs[cw][..., ncar:keep], rcs[cw][..., ncar:keep],
+                add("k1", "conv_state", r, bcs[cw][..., ncar:keep], rcs[cw][..., ncar:keep],
                     ocs[cw][..., ncar:keep], [n["conv_state"][cw][..., ncar:keep] for n in nz1], dims="conv_state")
-                if bcs.shape[-1] > keep:
-                    add("k1", "untouched.conv_state_tail", r, bcs[cw][..., keep:], ics[cw][..., keep:],
-                        dims="conv_state", exact=True)
-            add("k1", "untouched.conv_state", r, bcs[~cw], ics[~cw], dims="conv_state", exact=True)
+            # untouched: slots nobody writes, and positions past the window in written slots
+            ut_b = [bcs[~cw].flatten()] + ([bcs[cw][..., keep:].flatten()] if bcs.shape[-1] > keep else [])
+            ut_i = [ics[~cw].flatten()] + ([ics[cw][..., keep:].flatten()] if ics.shape[-1] > keep else [])
+            add("untouched", "conv_state", r, torch.cat(ut_b), torch.cat(ut_i), dims=("element",), exact=True)
             rw = m["rs_written"]
             brs, rrs, ors, irs = bk1[r]["rstate"], rk1[r]["rstate"], ok1[r]["rstate"], k1_in[r]["rstate"]
             if bool(rw.any()):
                 add("k1", "rstate", r, brs[rw], rrs[rw], ors[rw], [n["rstate"][rw] for n in nz1])
-            add("k1", "untouched.rstate", r, brs[~rw], irs[~rw], dims="rstate", exact=True)
+            add("untouched", "rstate", r, brs[~rw], irs[~rw], dims="rstate", exact=True)
             add("k1", "core_out", r, bk1[r]["core_out"], rk1[r]["core_out"], ok1[r]["core_out"],
                 [n["core_out"] for n in nz1])
             for t in K1_TAPS:
@@ -257,10 +257,10 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
         nzt2 = [n[3][r] for n in nz]
         add("k2", "prefix", r, bk2[r]["prefix"], rk2[r]["prefix"], ok2[r]["prefix"], [n["prefix"] for n in nz2])
         blocks_in = bk1[r]["blocks"] if step.kind == "kda" else k2_in[r]["blocks"]
-        add("k2", "untouched.blocks", r, bk2[r]["blocks"], blocks_in, dims="blocks", exact=True)
+        add("untouched", "k2_blocks", r, bk2[r]["blocks"], blocks_in, dims="blocks", exact=True)
         add("k2", "out", r, bk2[r]["out"], rk2[r]["out"], ok2[r]["out"], [n["out"] for n in nz2])
         if r > 0:
-            add("k2", "out.rank_equal", r, bk2[r]["out"], bk2[0]["out"], dims="out", exact=True,
+            add("k2", "out_ranks", r, bk2[r]["out"], bk2[0]["out"], dims="out", exact=True,
                 note="out must be bit-identical on every rank")
         for t in K2_TAPS:
             if t in bt2[r]:

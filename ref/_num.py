@@ -3,8 +3,9 @@
 exact  — fp32 compute, `bf()` rounds to bf16 (round-to-nearest-even) at the
          contract's rounding points;
 oracle — float64 compute, `bf()` is the identity (no bf16 rounding at all);
-perturb=seed (exact only) — split-K chunk order and reduction orders drawn from the
-         seed, to measure the reference's own spread.
+perturb=seed (exact only) — split-K chunk order of every GEMM and the chunk order of
+         every other fp32 reduction (AttnRes, norms, conv taps, recurrence dots), drawn
+         from the seed, to measure the reference's own spread.
 """
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ class Num:
         if self._gen is None or n <= 1:
             return list(range(n))
         return torch.randperm(n, generator=self._gen).tolist()
+
+    def sum(self, x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+        """Σ over `dim` in the compute dtype; under perturb, chunk partial sums in a seeded order."""
+        if self._gen is None or x.shape[dim] < 4:
+            return x.sum(dim, keepdim=keepdim)
+        n = min(8, x.shape[dim] // 2)
+        chunks = torch.tensor_split(x, n, dim=dim)
+        acc = None
+        for i in self.perm(n):
+            part = chunks[i].sum(dim, keepdim=keepdim)
+            acc = part if acc is None else acc + part
+        return acc
+
+    def mean(self, x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+        return self.sum(x, dim, keepdim) / x.shape[dim]
 
     def mm(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """a [M, K] @ w[N, K]^T accumulated in the compute dtype (fp32 / f64).

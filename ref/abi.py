@@ -112,7 +112,9 @@ def check_args(spec, args: dict, mode: str = "exact", fmt: str | None = None,
             raise ArgError(name, "missing")
         t = args[name]
         if t is None:
-            if role == "opt" or (cls == "ws" and fmt == "bf16"):
+            if cls == "ws" and fmt in ("mxfp4", "int4"):
+                raise ArgError(name, f"is None: {fmt} experts need scales")
+            if role == "opt" or cls == "ws":
                 continue
             raise ArgError(name, "is None")
         if not isinstance(t, torch.Tensor):

@@ -18,6 +18,6 @@ def attnres(v: torch.Tensor, nw: torch.Tensor, qk: torch.Tensor, eps: float, num
     """
     v = num.f(v)
     c = num.f(nw) * num.f(qk)
-    logit = (v * c).sum(-1) * torch.rsqrt((v * v).mean(-1) + eps)
+    logit = num.sum(v * c) * torch.rsqrt(num.mean(v * v) + eps)
     p = torch.softmax(logit, dim=-1)
-    return (p.unsqueeze(-1) * v).sum(1)
+    return num.sum(p.unsqueeze(-1) * v, dim=1)

@@ -29,7 +29,7 @@ def short_conv(x: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, 
     # y_j = Σ_q w[c, q]·seq[j+q]
     sf = num.f(seq)
     wf = num.f(conv_w)
-    y = torch.stack([(sf[:, :, j:j + W] * wf).sum(-1) for j in range(L)], dim=-1)  # [R, C, L]
+    y = torch.stack([num.sum(sf[:, :, j:j + W] * wf) for j in range(L)], dim=-1)  # [R, C, L]
     out = num.bf(F.silu(y)).transpose(1, 2).reshape(S, C)
     keep = W - 2 + L
     for r in torch.nonzero(sc > 0).flatten().tolist():

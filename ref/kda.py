@@ -22,8 +22,8 @@ def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torc
     L = qlen
     R = S // L
     shp = (R, L, NH, HD)
-    qn = l2norm(num.f(q), L2_EPS).reshape(shp) * HD ** -0.5
-    kn = l2norm(num.f(k), L2_EPS).reshape(shp)
+    qn = l2norm(num.f(q), L2_EPS, num).reshape(shp) * HD ** -0.5
+    kn = l2norm(num.f(k), L2_EPS, num).reshape(shp)
     vf = num.f(v).reshape(shp)
     decay = torch.exp(gate).reshape(shp)
     bt = beta.reshape(R, L, NH)
@@ -35,10 +35,10 @@ def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torc
     writes = []
     for j in range(L):
         state = state * decay[:, j, :, None, :]
-        pred = (state * kn[:, j, :, None, :]).sum(-1)  # S·k  [R, NH, V]
+        pred = num.sum(state * kn[:, j, :, None, :])  # S·k  [R, NH, V]
         u = (vf[:, j] - pred) * bt[:, j, :, None]
         state = state + u[..., :, None] * kn[:, j, :, None, :]
-        o[:, j] = num.f(num.bf((state * qn[:, j, :, None, :]).sum(-1)))
+        o[:, j] = num.f(num.bf(num.sum(state * qn[:, j, :, None, :])))
         writes.append(state.clone())
     o[~live] = 0
     for j in range(L):
