@@ -113,6 +113,7 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
             continue
         cap.timings["run"] = time.perf_counter() - t1
         cap.missing_taps = sr.missing_taps
+        cap.errors.extend(sr.errors)
         if sr.forced_routing:
             cap.notes.append("routing differs at a near-tie of the oracle's keys: downstream judged with the "
                              "backend's routing forced")
