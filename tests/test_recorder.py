@@ -1,0 +1,119 @@
+"""Recorder: record the reference through a multi-layer run, then replay the recording
+(the reference re-run on the loaded inputs reproduces the recorded outputs bit for bit)."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+import ref
+from harness import capture as cap
+from harness.recorder import Recorder
+from harness.synth import synthesize
+from ref import synth as rsynth
+from ref.config import get_config, k1_build, k2_build
+
+pytestmark = pytest.mark.cpu
+
+TINY = get_config("tiny")
+SEED = int(hashlib.sha256(__name__.encode()).hexdigest()[:6], 16)
+
+
+def bits_equal(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(cap.same_bits(a, b).all())
+
+
+def drive(tmp, rec=None, **kw):
+    """The multi-layer driver: the generator's run over layers 0-3 (KDA, block-write and MLA
+    layers, padding), with launches optionally wrapped by a Recorder."""
+    args = dict(steps=2, num_spec=1, experts="int4", seed=SEED, requests=3, padding=1, progress=False, git=False)
+    args.update(kw)
+    hooks = {} if rec is None else dict(kda_pre=rec.kda_pre, k2_launch=rec.k2_launch)
+    return synthesize("tiny", "0-3", out=tmp, **args, **hooks)
+
+
+def test_record_and_replay(tmp_path):
+    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "rec", budget_bytes=1 << 30, cfg=TINY, quiet=True)
+    gen_sets = drive(tmp_path / "gen", rec)
+    summary = rec.close()
+    assert summary["skipped"] == 0 and summary["unpaired_k1"] == 0 and summary["warnings"] == []
+    rec_sets = cap.discover(tmp_path / "rec")
+    assert [p.name for p in rec_sets] == [p.name for p in gen_sets]
+    for rp, gp in zip(rec_sets, gen_sets):
+        rs, gs = cap.load_set(rp), cap.load_set(gp)
+        assert (rs.kind, rs.k1_key, rs.k2_key, rs.step, rs.layer) == (gs.kind, gs.k1_key, gs.k2_key, gs.step,
+                                                                      gs.layer)
+        assert rs.captures[0].manifest["producer"]["tool"] == "k3verify recorder"
+        # what the recorder saw is what the generator wrote (two independent bookkeepings)
+        for r in rs.ranks:
+            for n, t in gs.captures[r].tensors.items():
+                assert bits_equal(rs.captures[r].tensors[n], t), (rp.name, r, n)
+        # replay the recording through the reference
+        if rs.kind == "kda":
+            for r in rs.ranks:
+                a = rs.k1_args(r)
+                ref.kda_pre(rs.k1_key, **a)
+                for n, want in rs.after(r, "k1").items():
+                    assert bits_equal(a[n], want), (rp.name, r, n)
+        ranks = rs.k2_world_args()
+        ref.k2_world(rs.k2_key, ranks)
+        for r in rs.ranks:
+            for n, want in rs.after(r, "k2").items():
+                assert bits_equal(ranks[r][n], want), (rp.name, r, n)
+    # weights are stored once per (layer, rank, kernel), shared by both steps
+    assert len(list((tmp_path / "rec" / "weights").glob("*.safetensors"))) == 4 * 2 + 3 * 2
+
+
+def test_filter_and_budget(tmp_path):
+    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "f", budget_bytes=1 << 30, layers={1, 3}, steps={1},
+                   cfg=TINY, quiet=True)
+    drive(tmp_path / "g1", rec)
+    assert [p.name for p in cap.discover(tmp_path / "f")] == ["s00001_l001", "s00001_l003"]
+    assert not (tmp_path / "f" / "s00000_l001").exists()
+
+    # a budget for about two sets: the rest is skipped whole, never a partial set
+    one = sum(p.stat().st_size for p in (tmp_path / "f").rglob("*.safetensors"))
+    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "b", budget_bytes=int(one * 1.5), cfg=TINY, quiet=True)
+    drive(tmp_path / "g2", rec)
+    s = rec.close()
+    sets = cap.discover(tmp_path / "b")
+    assert 1 <= len(sets) < 8 and s["skipped"] > 0 and s["bytes"] <= int(one * 1.5)
+    for p in sets:
+        cap.load_set(p)  # complete and valid
+    assert any("budget" in w for w in s["warnings"])
+
+
+def test_records_transposed_cache_with_spare_slots(tmp_path, rng):
+    """A deployment-style cache: transposed conv_state buffer, slots the step never touches."""
+    cfg, L, R, layer = TINY.with_world(1), 2, 2, 1
+    S, SL, slots = R * L, cfg.conv - 2 + L, 12
+    w1 = rsynth.k1_weights(cfg, layer, 0)
+    prefix, blocks, delta = rsynth.carry(cfg, S, layer, rng)
+    conv = (torch.randn(slots, SL, cfg.qkv, generator=rng) * 0.8).to(torch.bfloat16).transpose(1, 2)
+    rstate = torch.randn(slots, cfg.nh, cfg.hd, cfg.hd, generator=rng) * 0.05
+    st = torch.tensor([[9, 4], [7, 11]], dtype=torch.int32)
+    na = torch.tensor([2, 1], dtype=torch.int32)
+    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path, budget_bytes=1 << 30, cfg=cfg, quiet=True)
+    kw = dict(prefix=prefix, delta=delta, blocks=blocks, conv_state=conv, rstate=rstate, st_idx=st, num_acc=na,
+              core_out=torch.full((S, cfg.p), float("nan"), dtype=torch.bfloat16), layer=layer, **w1)
+    conv_before, rs_before = conv.clone(), rstate.clone()
+    rec.kda_pre(k1_build(cfg, layer, S, L, True, SL), **kw)
+    w2 = rsynth.k2_weights(cfg, layer, 0, "bf16")
+    k2 = dict(core=kw["core_out"].clone(), prefix=prefix.clone(), blocks=blocks.clone(),
+              out=torch.empty(S, cfg.hidden, dtype=torch.bfloat16), layer=layer, **w2)
+    ref.k2_world(k2_build(cfg, layer, S, "bf16"), [k2], launch=rec.k2_launch)
+    (p,) = cap.discover(tmp_path)
+    cs = cap.load_set(p)
+    st_m = cs.captures[0].manifest["state"]
+    assert st_m == {"slot_map": "state.slot_map", "conv_slots": 12, "rec_slots": 12, "conv_layout": "slc"}
+    assert cs.captures[0].tensors["state.slot_map"].tolist() == [0, 4, 7, 9, 11]
+    # full layout: the recorded slots back at their ids, same layout; replay matches the live run
+    f = cs.k1_args(0, layout="full")
+    assert f["conv_state"].stride(1) == 1
+    smap = [0, 4, 7, 9, 11]
+    assert torch.equal(f["conv_state"][smap], conv_before[smap])
+    assert torch.equal(f["rstate"][smap], rs_before[smap])
+    ref.kda_pre(cs.k1_key, **f)
+    assert torch.equal(f["conv_state"][smap], conv[smap]) and torch.equal(f["rstate"][smap], rstate[smap])
+    assert torch.equal(f["core_out"], kw["core_out"])

@@ -1,0 +1,208 @@
+"""Synthetic generator: determinism, the reference reproduces what it wrote, the AttnRes carry
+layer to layer, acceptance carried step to step through real slots, padding, MLA stand-in."""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ref
+from harness import capture as cap
+from harness.cli import main as cli_main
+from harness.errors import InputError
+from harness.synth import synthesize
+from ref import synth as rsynth
+from ref.config import get_config
+
+pytestmark = pytest.mark.cpu
+
+TINY = get_config("tiny")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = int(hashlib.sha256(__name__.encode()).hexdigest()[:6], 16)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Every tiny layer, 3 steps, L = 2, 4 requests of which 2 are padding."""
+    out = tmp_path_factory.mktemp("synth")
+    sets = synthesize("tiny", "0-5", steps=3, num_spec=1, experts="mxfp4", seed=SEED, out=out, requests=4,
+                      padding=2, progress=False, git=False)
+    return out, {(cs.step, cs.layer): cs for cs in map(cap.load_set, sets)}
+
+
+def bits_equal(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(cap.same_bits(a, b).all())
+
+
+def test_layout_and_sizes(run):
+    out, sets = run
+    assert sorted(sets) == [(t, i) for t in range(3) for i in range(6)]
+    for (t, i), cs in sets.items():
+        assert cs.kind == TINY.kind(i) and cs.world == 2 and cs.fmt == "mxfp4"
+        for r in cs.ranks:
+            size = (cs.path / f"rank{r}.safetensors").stat().st_size
+            assert size <= 100_000, (cs.name, size)
+    # 6 layers × 2 ranks: one K2 weight file each, one K1 file per KDA layer and rank
+    assert len(list((out / "weights").glob("*.safetensors"))) == 6 * 2 + 4 * 2
+
+
+def test_reference_reproduces_after(run):
+    _, sets = run
+    for (t, i), cs in sets.items():
+        if cs.kind == "kda":
+            for r in cs.ranks:
+                a = cs.k1_args(r)
+                ref.kda_pre(cs.k1_key, **a)
+                for n, want in cs.after(r, "k1").items():
+                    assert bits_equal(a[n], want), (cs.name, r, n)
+                full = cs.k1_args(r, layout="full")
+                before = {k: full[k].clone() for k in ("conv_state", "rstate", "blocks")}
+                ref.kda_pre(cs.k1_key, **full)
+                assert cs.untouched(r, "full").violations(before, full) == {}
+                smap = cs.captures[r].tensors["state.slot_map"]
+                assert bits_equal(full["rstate"][smap], cs.after(r, "k1")["rstate"])
+        ranks = cs.k2_world_args()
+        ref.k2_world(cs.k2_key, ranks)
+        for r in cs.ranks:
+            for n, want in cs.after(r, "k2").items():
+                assert bits_equal(ranks[r][n], want), (cs.name, r, n)
+
+
+def test_carry_layer_to_layer(run):
+    _, sets = run
+    for t in range(3):
+        c0 = sets[t, 0].inputs(0, "k1")
+        assert "delta" not in c0 and not sets[t, 0].k1_key.delta
+        assert torch.equal(c0["prefix"], c0["blocks"][:, 0])  # layer 0 starts from the embedding
+        for i in range(5):
+            prev, nxt = sets[t, i], sets[t, i + 1]
+            pa = prev.after(0, "k2")
+            if nxt.kind == "kda":
+                ni = nxt.inputs(0, "k1")
+                assert torch.equal(ni["prefix"], pa["prefix"]) and torch.equal(ni["delta"], pa["out"])
+                assert torch.equal(ni["blocks"], pa["blocks"])
+            else:
+                check_mla(nxt, pa, t)
+
+
+def check_mla(cs, pa, t):
+    """MLA stand-in against a small float64 loop: pending delta add, block write, AttnRes, input
+    norm (K1 steps 1-3 with the layer's attention-side weights), then core = x @ mla_proj^T."""
+    i = cs.layer
+    k2 = cs.inputs(0, "k2")
+    pre = (pa["prefix"].float() + pa["out"].float()).to(torch.bfloat16)
+    assert torch.equal(k2["prefix"], pre)
+    wi = TINY.write_idx(i)
+    blocks = pa["blocks"].clone()
+    if wi >= 0:
+        blocks[:, wi] = pre
+    assert torch.equal(k2["blocks"], blocks)
+    w = rsynth.k1_weights(TINY, i, 0, SEED)
+    c = [float(a) * float(b) for a, b in zip(w["ares_nw"].tolist(), w["ares_qk"].tolist())]
+    nb = math.ceil(i / TINY.block_size)
+    for r in cs.ranks:
+        proj = rsynth.mla_proj(TINY, i, r, SEED).double()
+        core = cs.inputs(r, "k2")["core"].double()
+        for s in range(pre.shape[0]):
+            srcs = [blocks[s, b].double().tolist() for b in range(nb)] + [pre[s].double().tolist()]
+            logit = [sum(v * cc for v, cc in zip(src, c)) / math.sqrt(sum(v * v for v in src) / len(src) + TINY.eps)
+                     for src in srcs]
+            m = max(logit)
+            p = [math.exp(x - m) for x in logit]
+            p = [x / sum(p) for x in p]
+            mixed = [sum(p[j] * srcs[j][d] for j in range(len(srcs))) for d in range(TINY.hidden)]
+            rms = 1 / math.sqrt(sum(x * x for x in mixed) / TINY.hidden + TINY.eps)
+            x = torch.tensor([v * rms * float(g) for v, g in zip(mixed, w["in_nw"].tolist())], dtype=torch.float64)
+            want = proj @ x
+            err = (core[s] - want).abs().max() / want.abs().max()
+            assert err < 2e-2, (cs.name, r, s, float(err))
+
+
+def test_block_schedule(run):
+    _, sets = run
+    for (t, i), cs in sets.items():
+        bw = i % TINY.block_size == 0
+        assert cs.k2_key.reset == bw and cs.k2_key.nblocks == math.ceil(i / TINY.block_size) + bw
+        if cs.kind == "kda":
+            assert cs.k1_key.write_idx == (i // TINY.block_size if bw else -1)
+            assert cs.k1_key.nblocks == math.ceil(i / TINY.block_size)
+            a = cs.after(0, "k1")
+            if bw:
+                assert torch.equal(a["blocks"][:, cs.k1_key.write_idx], a["prefix"])
+
+
+def test_acceptance_through_slots(run):
+    _, sets = run
+    accs = set()
+    for i in (0, 1, 2, 4):
+        for t in range(1, 3):
+            prev, cur = sets[t - 1, i], sets[t, i]
+            for r in cur.ranks:
+                pi, ci = prev.inputs(r, "k1"), cur.inputs(r, "k1")
+                assert torch.equal(pi["st_idx"], ci["st_idx"])  # each request keeps its slots
+                pa = prev.after(r, "k1")
+                # the cache persists: this step reads exactly what the previous step wrote
+                assert torch.equal(ci["rstate"], pa["rstate"]) and torch.equal(ci["conv_state"], pa["conv_state"])
+                smap = cur.captures[r].tensors["state.slot_map"].tolist()
+                for row, a in zip(ci["st_idx"].tolist(), ci["num_acc"].tolist()):
+                    if row[0] <= 0:
+                        continue
+                    accs.add(a)
+                    s0 = smap.index(row[a - 1])  # start slot: the a-th token's state of step t-1
+                    assert torch.equal(ci["rstate"][s0], pa["rstate"][s0])
+                    assert not torch.equal(ci["rstate"][s0], pi["rstate"][s0])  # it was rewritten
+    assert accs == {1, 2}
+
+
+def test_padding_requests(run):
+    _, sets = run
+    cs = sets[1, 1]
+    st = cs.inputs(0, "k1")["st_idx"]
+    assert st[:2].min() > 0 and st[2].tolist() == [0, 0] and st[3].tolist() == [-1, -1]
+    core = cs.after(0, "k1")["core_out"]
+    assert core[4:].abs().max() == 0 and core[:4].abs().min() > 0  # padding rows: o = 0
+    u = cs.untouched(0)
+    assert 0 in u.rstate_slots and 0 in u.conv_slots
+
+
+def test_same_command_same_bytes(tmp_path):
+    args = ["synth", "--config", "tiny", "--layers", "2-3", "--steps", "2", "--num-spec", "1", "--experts", "int4",
+            "--seed", "5", "--no-git", "-q"]
+    assert cli_main(args + ["--out", str(tmp_path / "a")]) == 0
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    subprocess.run([sys.executable, "-m", "harness.cli", *args, "--out", str(tmp_path / "b")], cwd=ROOT, env=env,
+                   check=True, capture_output=True)
+    fa = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    fb = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert fa == fb and len(fa) == 2 * 2 * 2 + 2 * 2 + 1 * 2
+    for p in fa:
+        assert (tmp_path / "a" / p).read_bytes() == (tmp_path / "b" / p).read_bytes(), p
+
+
+def test_explicit_acceptance_and_refusals(tmp_path, capsys):
+    sets = synthesize("tiny", "1", steps=2, num_spec=3, experts="bf16", seed=1, out=tmp_path, requests=2,
+                      padding=0, progress=False, git=False, num_acc=[[1, 4], [2, 3]])
+    got = [cap.load_set(p).inputs(1, "k1")["num_acc"].tolist() for p in sets]
+    assert got == [[1, 4], [2, 3]]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("rank*.safetensors")}
+    with pytest.raises(InputError) as e:
+        synthesize("tiny", "1", 2, 3, "bf16", 1, tmp_path, requests=2, padding=0, progress=False, git=False)
+    assert e.value.field == "out"
+    assert before == {p: p.read_bytes() for p in tmp_path.rglob("rank*.safetensors")}
+    assert cli_main(["synth", "--layers", "1", "--steps", "2", "--num-spec", "3", "--experts", "bf16", "--seed",
+                     "1", "--requests", "2", "--padding", "0", "--out", str(tmp_path), "-q", "--no-git"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already exist" in err[0]
+    for bad, field in ((dict(layers="4-9"), "layers"), (dict(experts="fp8"), "experts"), (dict(padding=2), "padding"),
+                       (dict(num_acc=[[5, 1]], steps=1), "num_acc")):
+        kw = dict(config="tiny", layers="1", steps=2, num_spec=3, experts="bf16", seed=1, out=tmp_path / "x",
+                  requests=2, progress=False, git=False)
+        kw.update(bad)
+        with pytest.raises(InputError) as e:
+            synthesize(**kw)
+        assert e.value.field == field
