@@ -2,7 +2,7 @@
 simulated world 8), exact and oracle: median over repeats and peak device memory.
 
     PYTHONPATH=. python benchmarks/bench_ref.py [--config k3-tp8] [--requests 1 --qlen 4]
-        [--experts mxfp4] [--repeats 10] [--json out.json]
+        [--experts mxfp4] [--repeats 10] [--captures DIR] [--json out.json]
 """
 from __future__ import annotations
 
@@ -51,14 +51,27 @@ def main(argv=None) -> int:
     ap.add_argument("--layer", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--captures", help="take the step from a capture set instead of synthesizing one")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    cfg = get_config(a.config)
     dev = a.device
     t0 = time.perf_counter()
-    k1k, k1s, k2k, k2s = step_inputs(cfg, a.layer, a.requests, a.qlen, a.experts, seed=0, device=dev)
+    if a.captures:  # a KDA capture set (e.g. from `k3verify synth --config k3-tp8`)
+        from harness.capture import discover, load_set
+
+        cs = next(c for c in map(load_set, discover(a.captures) or [a.captures]) if c.kind == "kda")
+        cfg, k1k, k2k = cs.cfg, cs.k1_key, cs.k2_key
+        k1s = [cs.k1_args(r, dev, poison=False) for r in cs.ranks]
+        k2s = cs.k2_world_args(dev)
+        for x, y in zip(k1s, k2s):  # chain K2 on K1's outputs, as the model does
+            y.update(core=x["core_out"], prefix=x["prefix"], blocks=x["blocks"])
+        a.experts, a.qlen = cs.fmt, k1k.qlen
+        a.requests = k1k.tokens // k1k.qlen
+    else:
+        cfg = get_config(a.config)
+        k1k, k1s, k2k, k2s = step_inputs(cfg, a.layer, a.requests, a.qlen, a.experts, seed=0, device=dev)
     _sync(dev)
-    print(f"inputs: {cfg.name} layer {a.layer} world {cfg.world} S={a.requests * a.qlen} {a.experts}: "
+    print(f"inputs: {cfg.name} world {cfg.world} S={a.requests * a.qlen} {a.experts}: "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     orc1 = [ref.upcast(x) for x in k1s]
     orc2 = []

@@ -173,13 +173,18 @@ def _run_side(step: Step, k1_in, k2_in, kda_pre, k2_launch, with_taps=True, forc
     return k1, k2, t1, t2
 
 
+def _slots_note(mask: torch.Tensor) -> str:
+    """'slot' coordinates index the compared subset: name the cache slots it holds."""
+    return "slots " + ",".join(str(i) for i in torch.nonzero(mask).flatten().tolist())
+
+
 def _cpu(t):
     return None if t is None else t.detach().cpu()
 
 
 def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed: int = 0,
              tie_eps: float = 1e-6) -> StepRun:
-    from .metrics import compare_routing
+    from .metrics import align_by_ids, compare_routing
 
     W = step.world
     k1_in, masks = None, None
@@ -253,18 +258,22 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
             ncar = Wc - 2  # carried window entries at [0, W-2), new in_proj values at [W-2, W-2+L)
             if bool(cw.any()):
                 add("k1", "conv_carry", r, bcs[cw][..., :ncar], rcs[cw][..., :ncar], ocs[cw][..., :ncar],
-                    dims="conv_state", exact=True)
+                    dims="conv_state", exact=True, note=_slots_note(cw))
                 add("k1", "conv_state", r, bcs[cw][..., ncar:keep], rcs[cw][..., ncar:keep],
-                    ocs[cw][..., ncar:keep], [n["conv_state"][cw][..., ncar:keep] for n in nz1], dims="conv_state")
+                    ocs[cw][..., ncar:keep], [n["conv_state"][cw][..., ncar:keep] for n in nz1], dims="conv_state",
+                    note=_slots_note(cw))
             # untouched: slots nobody writes, and positions past the window in written slots
             ut_b = [bcs[~cw].flatten()] + ([bcs[cw][..., keep:].flatten()] if bcs.shape[-1] > keep else [])
             ut_i = [ics[~cw].flatten()] + ([ics[cw][..., keep:].flatten()] if ics.shape[-1] > keep else [])
-            add("untouched", "conv_state", r, torch.cat(ut_b), torch.cat(ut_i), dims=("element",), exact=True)
+            add("untouched", "conv_state", r, torch.cat(ut_b), torch.cat(ut_i), dims=("element",), exact=True,
+                note=f"slots {_slots_note(~cw)[6:]} whole; positions >= {keep} of slots "
+                     f"{_slots_note(cw)[6:]}")
             rw = m["rs_written"]
             brs, rrs, ors, irs = bk1[r]["rstate"], rk1[r]["rstate"], ok1[r]["rstate"], k1_in[r]["rstate"]
             if bool(rw.any()):
-                add("k1", "rstate", r, brs[rw], rrs[rw], ors[rw], [n["rstate"][rw] for n in nz1])
-            add("untouched", "rstate", r, brs[~rw], irs[~rw], dims="rstate", exact=True)
+                add("k1", "rstate", r, brs[rw], rrs[rw], ors[rw], [n["rstate"][rw] for n in nz1],
+                    note=_slots_note(rw))
+            add("untouched", "rstate", r, brs[~rw], irs[~rw], dims="rstate", exact=True, note=_slots_note(~rw))
             add("k1", "core_out", r, bk1[r]["core_out"], rk1[r]["core_out"], ok1[r]["core_out"],
                 [n["core_out"] for n in nz1])
             for t in K1_TAPS:
@@ -283,7 +292,10 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
                 note="out must be bit-identical on every rank")
         for t in K2_TAPS:
             if t in bt2[r]:
-                add("k2", t, r, bt2[r][t], rt2[r][t], ot2[r][t] if t in ot2[r] else None,
+                cand = bt2[r][t]
+                if t == "topk_w" and "topk_ids" in bt2[r]:  # same picks in another order at a near-tie
+                    cand = align_by_ids(_cpu(bt2[r]["topk_ids"]), _cpu(cand), _cpu(rt2[r]["topk_ids"]))
+                add("k2", t, r, cand, rt2[r][t], ot2[r][t] if t in ot2[r] else None,
                     [n[t] for n in nzt2 if t in n])
 
     if isolate:

@@ -42,11 +42,12 @@ def judge_run(step_run, policy, cap) -> None:
         if p.stage == "k2" and p.name == "topk_ids" and p.view == "chained" and p.rank in step_run.routing:
             m = step_run.routing[p.rank]
         else:
-            m = compare(p.cand, p.ref, p.dims, **policy.compare_kw(p.stage, p.name, st.fmt))
+            m = compare(p.cand, p.ref, p.dims, **policy.compare_kw(p.stage, p.name, st.fmt, p.view))
         oracle = None
         if p.oracle is not None and p.cand.is_floating_point():
-            oracle = {"fast": compare(p.cand, p.oracle, p.dims), "ref": compare(p.ref, p.oracle, p.dims)}
-        noise = [compare(n, p.ref, p.dims) for n in p.noise] if p.noise else None
+            oracle = {"fast": compare(p.cand, p.oracle, p.dims, detail=False),
+                      "ref": compare(p.ref, p.oracle, p.dims, detail=False)}
+        noise = [compare(n, p.ref, p.dims, detail=False) for n in p.noise] if p.noise else None
         cap.comparisons.append(Comparison.judged(
             policy, capture=cap.id, layer=st.layer, kind=st.kind, step=st.step, rank=p.rank, stage=p.stage,
             output=p.name, view=p.view, fmt=st.fmt, metrics=m, oracle=oracle, noise=noise, note=p.note))

@@ -1,0 +1,360 @@
+"""Error metrics of one compared tensor (DESIGN §9).
+
+API (what the replay calls):
+
+    compare(a, b, dims=None, atol=1e-2, rtol=1.6e-2, atol_rms=0.0, detail=True) -> dict
+        a = candidate (backend, or perturbed reference), b = reference (or oracle).
+        Pass the tolerances of `Policy.compare_kw`; detail=False (no locations or
+        histograms, ~3x faster) is enough for oracle and noise comparisons.
+        Same shape required (`ShapeMismatch` otherwise); dtypes may differ (an fp64
+        oracle against a bf16 output). `dims`: names of a's dims, or a tap/output name
+        looked up in `ref.abi.TAP_DIMS`; used for `worst` locations.
+    compare_routing(ids_a, ids_b, keys, tie_eps, ...) -> dict
+        top-k ids as sets per token; `keys` [S, E] are the oracle's router keys
+        (sigmoid(logits) + bias, float64). The result is compare(ids_a, ids_b) plus
+        the routing fields below; `judge` reads `untied_tokens`.
+    align_by_ids(ids_a, vals_a, ids_b) -> vals_a reordered to ids_b's order per token
+        (to compare topk_w elementwise when the sets agree but the order differs).
+
+Keys of the dict `compare` returns (all plain Python values, JSON-ready):
+
+    n, shape, dtype_a, dtype_b, dtype_match
+    exact        bool: same dtype and every element bit-identical. NaN payloads and
+                 the sign of zero count: bookkeeping outputs are copies and a copy keeps
+                 bits. Integer/bool tensors: equal values.
+    n_differ     elements not bit-identical (value-unequal when the dtypes differ)
+    exact_frac   fraction of elements equal in value (NaN == NaN, +0 == -0)
+    max_abs, mean_abs          over elements finite on both sides
+    rel_l2       ||a-b|| / ||b||; 0 when both are zero, inf when only b is
+    cosine       <a,b> / (|a||b|); 1 when both are zero, 0 when exactly one is
+    sqnr_db      10 log10(sum b^2 / sum (a-b)^2); +inf when a == b, -inf when b == 0 != a
+    calc_diff    1 - 2 sum ab / sum (a^2 + b^2); 0 when both are zero
+    scale_err    sum ab / sum b^2 - 1: the least-squares gain of a over b, minus 1. Random
+                 rounding noise averages out of it (std ~ rel_l2 / sqrt(n)), a systematic
+                 scale error does not; 0 when b is all zero (no gain defined; rel_l2
+                 is inf then)
+    max_ulp      max |a-b| / ulp, ulp = the bf16 spacing at max(|bf16(b)|, 2^-8 rms(b))
+                 (`bf16_ulp`, `ULP_FLOOR_RMS`). The floor defines the ulp of a zero
+                 reference: an output element 256x below its tensor's RMS (a zero, or a
+                 cancellation) carries the absolute error of the operands that made it,
+                 so it is measured at that scale, not in its own (arbitrarily small)
+                 ulps. All-zero references get the subnormal spacing 2^-133 (any error
+                 is huge). Integers: max |a-b|.
+    mismatch_frac  fraction failing |a-b| <= atol + atol_rms rms(b) + rtol |b| (NaN matches
+                 NaN, inf the same inf; rms over b's finite elements)
+    atol, rtol, atol_rms   the tolerances mismatch_frac used
+    nan_a, inf_a, nan_b, inf_b  counts
+    ref_absmax, ref_rms         scale of b (finite elements)
+    worst, worst_a, worst_b     location ({dim name: index}) and values of the largest
+                 |a-b|; a non-finite disagreement, if any, is worse than any number.
+                 None when a and b are equal everywhere.
+    worst_ulp    location of the largest ulp error (None when max_ulp == 0)
+    ulp_hist     counts of per-element ulp error in `ULP_BINS` (fixed: sums across
+                 comparisons are meaningful)
+    mag_err      {"count", "max_abs"}: elements and their largest |a-b| per bin of |b|
+                 (`MAG_BINS`), for error-vs-magnitude plots
+
+Metrics are computed in float64 (exact for bf16/fp32 inputs and int32 ids).
+Empty tensors compare as equal: errors 0, cosine 1, exact True.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+F64 = torch.float64
+
+# Lower is better unless listed in HIGHER_IS_BETTER.
+SCALAR_METRICS = ("max_abs", "mean_abs", "rel_l2", "cosine", "sqnr_db", "calc_diff", "scale_err",
+                  "max_ulp", "mismatch_frac", "exact_frac", "n_differ", "nan_a", "inf_a")
+HIGHER_IS_BETTER = frozenset({"cosine", "sqnr_db", "exact_frac"})
+
+# ulp-error histogram: bin 0 = exactly 0; then (0, .5], (.5, 1], (1, 2], ... (4096, 65536],
+# > 65536; last bin = a non-finite disagreement.
+ULP_EDGES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0, 4096.0, 65536.0)
+ULP_BINS = ("0",) + tuple(f"<={e:g}" for e in ULP_EDGES) + (f">{ULP_EDGES[-1]:g}", "nonfinite")
+# |b| magnitude bins: exactly 0, then decades (0, 1e-6], (1e-6, 1e-5], ... (1e3, 1e4], > 1e4.
+MAG_EDGES = tuple(10.0 ** k for k in range(-6, 5))
+MAG_BINS = ("0",) + tuple(f"<=1e{k}" for k in range(-6, 5)) + (">1e4",)
+
+ULP_FLOOR_RMS = 2.0 ** -8  # ulps are measured at no less than this fraction of rms(b)
+_BF16_MIN_EXP = -126  # bf16 keeps fp32's exponent range
+_BF16_MANT = 7  # stored mantissa bits
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
+
+
+class ShapeMismatch(ValueError):
+    pass
+
+
+def _t(x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    return torch.as_tensor(x)
+
+
+def dim_names(dims, ndim: int) -> tuple[str, ...]:
+    """Names of `ndim` dims: `dims` as a sequence, a TAP_DIMS key, or None -> d0, d1..."""
+    if isinstance(dims, str):
+        from ref.abi import TAP_DIMS
+
+        dims = TAP_DIMS.get(dims)
+    if dims is None or len(dims) != ndim:
+        return tuple(f"d{i}" for i in range(ndim))
+    return tuple(dims)
+
+
+def locate(flat_index: int, shape, names) -> dict[str, int]:
+    """Flat (row-major) index -> {dim name: index}."""
+    out, rem = {}, int(flat_index)
+    for size, name in zip(reversed(tuple(shape)), reversed(names)):
+        rem, out[name] = divmod(rem, size) if size else (rem, 0)
+    return {n: out[n] for n in names}
+
+
+def bf16_ulp(b, floor: float = 0.0) -> np.ndarray:
+    """Spacing of bf16 values at max(|bf16(b)|, floor), float64 array of b's shape (b finite).
+    A numpy `b` is taken as already bf16-valued.
+
+    ulp = 2^(e - 7) with e = floor(log2 max(|bf16(b)|, floor)) clamped to [-126, 127]: a
+    zero (or subnormal) reference below `floor` gets the spacing at `floor`, and with
+    floor = 0 the subnormal spacing 2^-133.
+    """
+    # The ulp is that of the reference's bf16 value: round it first (RNE, via torch).
+    rb = np.abs(b) if isinstance(b, np.ndarray) else np.abs(_t(b).to(torch.bfloat16).to(F64).cpu().numpy())
+    if floor > 0:
+        rb = np.maximum(rb, floor)
+    # floor(log2 rb) from the float64 exponent field (0 and subnormals give <= -1023)
+    e = ((rb.view(np.int64) >> 52) & 0x7FF) - 1023
+    e = np.minimum(np.maximum(e, _BF16_MIN_EXP), 127)  # bf16 keeps fp32's exponent range; inf -> largest binade
+    return ((e - _BF16_MANT + 1023) << 52).view(np.float64)
+
+
+def _np64(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).to(F64).cpu().numpy()
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """Storage bits (floats) or values (ints/bools), flat numpy."""
+    t = t.reshape(-1).contiguous()
+    if t.is_floating_point():
+        t = t.view(_INT_VIEW[t.element_size()])
+    return t.cpu().numpy()
+
+
+def _empty(a, b, atol, rtol, atol_rms) -> dict:
+    return dict(n=0, shape=list(a.shape), dtype_a=_dn(a), dtype_b=_dn(b), dtype_match=a.dtype == b.dtype,
+                exact=a.dtype == b.dtype, n_differ=0, exact_frac=1.0, max_abs=0.0, mean_abs=0.0,
+                rel_l2=0.0, cosine=1.0, sqnr_db=math.inf, calc_diff=0.0, scale_err=0.0, max_ulp=0.0,
+                mismatch_frac=0.0, atol=atol, rtol=rtol, atol_rms=atol_rms, nan_a=0, inf_a=0, nan_b=0,
+                inf_b=0, ref_absmax=0.0, ref_rms=0.0, worst=None, worst_a=None, worst_b=None, worst_ulp=None,
+                ulp_hist=[0] * len(ULP_BINS), mag_err=_mag_empty())
+
+
+def _dn(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _mag_empty() -> dict:
+    k = len(MAG_BINS)
+    return {"count": [0] * k, "max_abs": [0.0] * k}
+
+
+def _ratio(num: float, den: float, both_zero: float, den_zero: float) -> float:
+    if den > 0:
+        return num / den
+    return both_zero if num == 0 else den_zero
+
+
+_ULP_EDGES = np.array(ULP_EDGES)
+_MAG_EDGES = np.array(MAG_EDGES)
+
+
+def compare(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol_rms: float = 0.0,
+            detail: bool = True) -> dict:
+    """Metrics of candidate `a` against reference `b` (any equal shape). See module doc.
+
+    detail=False leaves out worst locations, ulp_hist and mag_err (about half the time):
+    enough for oracle and noise comparisons, which only feed ratios.
+    """
+    a, b = _t(a), _t(b)
+    if tuple(a.shape) != tuple(b.shape):
+        raise ShapeMismatch(f"shape {tuple(a.shape)} (candidate) != {tuple(b.shape)} (reference)")
+    names = dim_names(dims, a.dim())
+    if a.numel() == 0:
+        return _empty(a, b, float(atol), float(rtol), float(atol_rms))
+    n = a.numel()
+    dtype_match = a.dtype == b.dtype
+    is_int = not (a.is_floating_point() or b.is_floating_point())
+    fa, fb = _np64(a), _np64(b)
+
+    with np.errstate(invalid="ignore", over="ignore"):  # a finite sum implies finite elements
+        all_fin = bool(np.isfinite(fa.sum() + fb.sum())) or bool(np.isfinite(fa).all() and np.isfinite(fb).all())
+    if all_fin:  # the common case: no masks needed
+        value_eq = fa == fb
+        nan_a = nan_b = inf_a = inf_b = 0
+        fin = nonfin_bad = None
+        any_bad = False
+    else:
+        isnan_a, isnan_b = np.isnan(fa), np.isnan(fb)
+        value_eq = (fa == fb) | (isnan_a & isnan_b)
+        fin = np.isfinite(fa) & np.isfinite(fb)
+        nonfin_bad = ~fin & ~value_eq  # one side non-finite and not the same value
+        any_bad = bool(nonfin_bad.any())
+        nan_a, nan_b = int(np.count_nonzero(isnan_a)), int(np.count_nonzero(isnan_b))
+        inf_a, inf_b = int(np.count_nonzero(np.isinf(fa))), int(np.count_nonzero(np.isinf(fb)))
+    n_eq = int(np.count_nonzero(value_eq))
+    if not dtype_match:
+        n_differ = n - n_eq
+    elif all_fin and a.is_floating_point():
+        # equal finite values of one dtype differ in bits only as +0 / -0
+        n_differ = n - n_eq + int(np.count_nonzero((fa == 0) & (np.signbit(fa) != np.signbit(fb))))
+    else:
+        n_differ = int(np.count_nonzero(_bits(a) != _bits(b)))
+
+    x, y = (fa, fb) if all_fin else (fa[fin], fb[fin])
+    d = np.abs(x - y)
+    sum_d2, sum_b2, sum_a2, sum_ab = float(d @ d), float(y @ y), float(x @ x), float(x @ y)
+    max_abs = math.inf if any_bad else (float(d.max()) if d.size else 0.0)
+    mean_abs = float(d.sum()) / d.size if d.size else 0.0
+
+    rel_l2 = _ratio(math.sqrt(sum_d2), math.sqrt(sum_b2), 0.0, math.inf)
+    na, nb = math.sqrt(sum_a2), math.sqrt(sum_b2)
+    if na > 0 and nb > 0:
+        cosine = max(-1.0, min(1.0, sum_ab / (na * nb)))
+    else:
+        cosine = 1.0 if na == nb else 0.0
+    if sum_d2 == 0:
+        sqnr = math.inf
+    elif sum_b2 == 0:
+        sqnr = -math.inf
+    else:
+        sqnr = 10.0 * math.log10(sum_b2 / sum_d2)
+    calc_diff = _ratio(sum_a2 + sum_b2 - 2.0 * sum_ab, sum_a2 + sum_b2, 0.0, 0.0)
+    scale_err = _ratio(sum_ab - sum_b2, sum_b2, 0.0, math.inf)
+
+    # per-element errors, scattered back to full length (non-finite pairs: 0 or inf)
+    ref_rms = math.sqrt(sum_b2 / y.size) if y.size else 0.0
+    # ulps of the reference, floored at ULP_FLOOR_RMS * rms(b) (see module doc)
+    floor = ULP_FLOOR_RMS * ref_rms
+    if all_fin:
+        err_full = d
+        # a bf16 reference is its own bf16 value: skip the rounding
+        ulp_full = d if is_int else d / bf16_ulp(fb if b.dtype == torch.bfloat16 else b, floor).reshape(-1)
+    else:
+        err_full = np.zeros(n)
+        err_full[fin] = d
+        ulp_full = np.zeros(n)
+        ulp_full[fin] = d if is_int else d / bf16_ulp(b, floor).reshape(-1)[fin]
+        ulp_full[nonfin_bad] = math.inf
+    max_ulp = float(ulp_full.max())
+
+    absy = np.abs(y)
+    n_ok = int(np.count_nonzero(d <= atol + atol_rms * ref_rms + rtol * absy))
+    if not all_fin:
+        n_ok += int(np.count_nonzero(value_eq & ~fin))
+    mismatch = (n - n_ok) / n
+
+    out = dict(
+        n=n, shape=list(a.shape), dtype_a=_dn(a), dtype_b=_dn(b), dtype_match=dtype_match,
+        exact=dtype_match and n_differ == 0, n_differ=n_differ,
+        exact_frac=n_eq / n,
+        max_abs=max_abs, mean_abs=mean_abs, rel_l2=rel_l2, cosine=cosine, sqnr_db=sqnr,
+        calc_diff=calc_diff, scale_err=scale_err, max_ulp=max_ulp, mismatch_frac=mismatch,
+        atol=float(atol), rtol=float(rtol),
+        nan_a=nan_a, inf_a=inf_a, nan_b=nan_b, inf_b=inf_b,
+        ref_absmax=float(absy.max()) if y.size else 0.0,
+        ref_rms=ref_rms, atol_rms=float(atol_rms),
+    )
+    if not detail:
+        return out
+    if any_bad:
+        wi = int(np.flatnonzero(nonfin_bad)[0])
+    else:
+        wi = int(np.argmax(err_full)) if max_abs > 0 else None
+    wu = int(np.argmax(ulp_full)) if max_ulp > 0 else None
+    bins = np.searchsorted(_ULP_EDGES, ulp_full, side="left") + 1
+    bins[ulp_full == 0] = 0
+    if any_bad:
+        bins[nonfin_bad] = len(ULP_BINS) - 1
+    out.update(worst=None if wi is None else locate(wi, a.shape, names),
+               worst_a=None if wi is None else float(fa[wi]),
+               worst_b=None if wi is None else float(fb[wi]),
+               worst_ulp=None if wu is None else locate(wu, a.shape, names),
+               ulp_hist=np.bincount(bins, minlength=len(ULP_BINS)).tolist(), mag_err=_mag_err(y, d))
+    return out
+
+
+def _mag_err(y: np.ndarray, d: np.ndarray) -> dict:
+    """|a-b| binned by |b| (MAG_BINS): element count and max error per bin."""
+    k = len(MAG_BINS)
+    if y.size == 0:
+        return _mag_empty()
+    mag = np.abs(y)
+    bins = np.searchsorted(_MAG_EDGES, mag, side="left") + 1
+    bins[mag == 0] = 0
+    mx = np.zeros(k)
+    np.maximum.at(mx, bins, d)
+    return {"count": np.bincount(bins, minlength=k).tolist(), "max_abs": mx.tolist()}
+
+
+def scalars(m: dict) -> dict:
+    """The scalar metrics of a compare() dict (no histograms, no locations)."""
+    keep = set(SCALAR_METRICS) | {"n", "exact", "dtype_match", "nan_b", "inf_b", "ref_absmax", "ref_rms"}
+    return {k: v for k, v in m.items() if k in keep}
+
+
+def compare_routing(ids_a, ids_b, keys, tie_eps: float, dims="topk_ids") -> dict:
+    """Top-k picks of candidate `ids_a` vs reference `ids_b`, [S, K] ints, as sets per token.
+
+    A token whose sets differ is *tied* when every expert in the symmetric difference has
+    an oracle key within `tie_eps` of the oracle's K-th largest key of that token (the
+    boundary): then either choice is right and downstream stages are judged with the
+    reference forced to the candidate's picks. Keys added to compare(ids_a, ids_b):
+    sets_equal (bool), set_diff_tokens, tied_tokens (list: force these), untied_tokens (count; must be 0),
+    untied_list, boundary_gap (max over differing tokens of the largest |key - K-th key|
+    among swapped experts), tie_eps.
+    """
+    ia, ib = _t(ids_a).to(torch.int64), _t(ids_b).to(torch.int64)
+    m = compare(ia, ib, dims=dims)
+    kk = _t(keys).to(F64).to(ia.device)
+    if kk.dim() != 2 or kk.shape[0] != ia.shape[0]:
+        raise ShapeMismatch(f"keys shape {tuple(kk.shape)} does not match ids {tuple(ia.shape)}")
+    K = ia.shape[1] if ia.dim() == 2 else 0
+    tied, untied, gap_max = [], [], 0.0
+    for t in range(ia.shape[0]):
+        sa, sb = set(ia[t].tolist()), set(ib[t].tolist())
+        sym = sa ^ sb
+        if not sym:
+            continue
+        kth = float(torch.topk(torch.nan_to_num(kk[t], nan=-math.inf), K).values[-1])
+        bad = [e for e in sym if not 0 <= e < kk.shape[1]]
+        gap = math.inf if bad else max(abs(float(kk[t, e]) - kth) for e in sym)
+        if math.isnan(gap):
+            gap = math.inf
+        gap_max = max(gap_max, gap)
+        (tied if gap <= tie_eps else untied).append(t)
+    m.update(sets_equal=not (tied or untied), set_diff_tokens=len(tied) + len(untied), tied_tokens=tied,
+             untied_tokens=len(untied),
+             untied_list=untied, boundary_gap=gap_max, tie_eps=float(tie_eps))
+    return m
+
+
+def align_by_ids(ids_a, vals_a, ids_b) -> torch.Tensor:
+    """vals_a [S, K] reordered per token so its ids follow ids_b's order.
+
+    Tokens whose id sets differ keep their order (compare them as routing differences).
+    """
+    ia, ib, va = _t(ids_a), _t(ids_b), _t(vals_a).clone()
+    for t in range(ia.shape[0]):
+        la, lb = ia[t].tolist(), ib[t].tolist()
+        if la != lb and sorted(la) == sorted(lb) and len(set(la)) == len(la):
+            va[t] = va[t][torch.tensor([la.index(e) for e in lb])]
+    return va
+
+
+__all__ = ["compare", "compare_routing", "scalars", "align_by_ids", "bf16_ulp", "dim_names", "locate",
+           "ShapeMismatch", "SCALAR_METRICS", "HIGHER_IS_BETTER", "ULP_EDGES", "ULP_BINS",
+           "MAG_EDGES", "MAG_BINS"]
