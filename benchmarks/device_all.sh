@@ -14,14 +14,14 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
 step synth k3-tp8
 [ -d $caps ] || t $K3 synth --config k3-tp8 --layers 1 --steps 1 --num-spec 3 --requests 1 --experts mxfp4 --device cuda --out $caps -q
 step bench_ref
-t python benchmarks/bench_ref.py --captures $caps --repeats 5 --json "$OUT/bench_ref.json"
+t python benchmarks/bench_ref.py --captures $caps --repeats 3 --json "$OUT/bench_ref.json"
+step replay triton k3-tp8
+t $K3 replay $caps --backend triton --device cuda --quiet --isolate --report "$OUT/replay_triton_k3.md" --json "$OUT/replay_triton_k3.json" | head -60
+step bench_fast
+t python benchmarks/bench_fast.py ${BENCH_FAST_ARGS:-} --json "$OUT/bench_fast.json" 2>&1 | tee "$OUT/bench_fast.txt" | tail -40
 step replay ref k3-tp8
 t $K3 replay $caps --backend ref --device cuda --quiet --report "$OUT/replay_ref_k3.md" --json "$OUT/replay_ref_k3.json" | head -3
-step replay triton k3-tp8
-t $K3 replay $caps --backend triton --device cuda --quiet --isolate --report "$OUT/replay_triton_k3.md" --json "$OUT/replay_triton_k3.json" | head -40
 step replay triton golden
 t $K3 replay golden --backend triton --device cuda --quiet --report "$OUT/replay_triton_golden.md" | head -3
-step bench_fast
-[ -f benchmarks/bench_fast.py ] && t python benchmarks/bench_fast.py ${BENCH_FAST_ARGS:-} 2>&1 | tee "$OUT/bench_fast.txt" | tail -30
 step pinning
 t python benchmarks/check_pinning.py -n 1 | tail -3

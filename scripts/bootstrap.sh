@@ -18,4 +18,9 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   esac
 fi
 "$VPY" -m pip install -q --disable-pip-version-check -e '.[dev,rocm]'
+# The CPU build of torch brings no Triton; the interpreter tier needs Triton >= 3.9. A GPU
+# build of torch pins its own Triton, which is kept.
+if ! "$VPY" -c "import torch, sys; sys.exit(0 if (torch.version.cuda or torch.version.hip) else 1)"; then
+  "$VPY" -m pip install -q --disable-pip-version-check 'triton>=3.9'
+fi
 echo "$want" > "$stamp"

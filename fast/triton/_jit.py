@@ -1,0 +1,275 @@
+"""Triton device functions shared by the K1 and K2 kernels.
+
+Portable Triton only (no inline assembly, no vendor libdevice): the same source runs
+on CUDA, on ROCm, and in the CPU interpreter (`TRITON_INTERPRET=1`, read once at import).
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def bf16(x):
+    """fp32 -> bf16, round to nearest even. Devices convert natively; the interpreter's
+    own cast truncates, so there the rounding is done on the bits."""
+    if INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        r = b + 0x7FFF + ((b >> 16) & 1)
+        r = tl.where(x != x, b | 0x400000, r)
+        return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def mma(a, b, acc):
+    """acc + a @ b, fp32 accumulation of exact bf16/fp16 products. The interpreter's dot
+    multiplies bf16 bit patterns as integers, so it gets exact fp32 copies instead."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def rsqrt(x):
+    """1/sqrt(x) with both steps correctly rounded (what torch.rsqrt gives on a CPU)."""
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), tl.sqrt_rn(x))
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32: odd Taylor polynomial below |x| = 1/8 (no cancellation), else via exp."""
+    ax = tl.abs(x)
+    t = tl.exp(-2.0 * ax)
+    big = (1.0 - t) / (1.0 + t)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    r = tl.where(ax < 0.125, small, big)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def situ(g, u, BETA: tl.constexpr, LBETA: tl.constexpr):
+    """SiTU(g, u) = β·tanh(g/β)·sigmoid(g) · λ·tanh(u/λ), fp32, same operation order as the reference."""
+    return BETA * tanh(g / BETA) * sigmoid(g) * (LBETA * tanh(u / LBETA))
+
+
+@triton.jit
+def pow2(e):
+    """2^e as fp32 for int32 e in [-126, 127] (built from the exponent bits: exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0(s):
+    """E8M0 scale bytes -> 2^(s-127) (0xFF is NaN; code 0 reads as 0, 2^-127 being below fp32 normals)."""
+    si = s.to(tl.int32)
+    v = (si << 23).to(tl.float32, bitcast=True)
+    return tl.where(si == 255, float("nan"), v)
+
+
+@triton.jit
+def e2m1_f16x2(b):
+    """Packed E2M1 bytes -> (low, high nibble) as fp16 holding value·2^-14, exactly.
+
+    The 3 exponent/mantissa bits of a code land in fp16 bits 11..9, so code 1 (0.5) is
+    the fp16 subnormal 2^-15 and every other code a normal: two ANDs, two shifts, an OR."""
+    w = b.to(tl.uint16)
+    lo = ((w & 0x7) << 9) | ((w & 0x8) << 12)
+    hi = ((w & 0x70) << 5) | ((w & 0x80) << 8)
+    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def int4_bf16x2(b):
+    """Packed unsigned int4 bytes -> (low, high nibble) as bf16 values u-8 (exact)."""
+    w = b.to(tl.uint16)
+    lo = ((w & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32) - 136.0
+    hi = ((w >> 4) | 0x4300).to(tl.bfloat16, bitcast=True).to(tl.float32) - 136.0
+    return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+
+
+@triton.jit
+def mx_code(amax):
+    """E8M0 code of the power-of-two ceiling of amax/6 (DESIGN §7), clamped to <= 254."""
+    v = amax * 0.16666666666666666  # rounds to fp32 once, as the reference does
+    bits = v.to(tl.int32, bitcast=True)
+    code = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(code, 254)
+
+
+@triton.jit
+def e2m1_round(y):
+    """Round to the nearest E2M1 value, ties to the even code, saturating at ±6 (sign kept)."""
+    a = tl.abs(y)
+    m = tl.where(a > 5.0, 6.0, tl.where(a >= 3.5, 4.0, tl.where(a > 2.5, 3.0, tl.where(
+        a >= 1.75, 2.0, tl.where(a > 1.25, 1.5, tl.where(a >= 0.75, 1.0, tl.where(a > 0.25, 0.5, 0.0)))))))
+    return tl.where(y < 0, -m, m)
+
+
+@triton.jit
+def mx_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
+    """MXFP4 fake-quant of v [SP, BN] per 32 columns -> (E2M1 values [SP, BN] fp32 with the
+    scale taken out, scale codes [SP, BN/32] int32)."""
+    G: tl.constexpr = BN // 32
+    grp = tl.arange(0, BN) // 32
+    rg = tl.arange(0, G)
+    av = tl.abs(v)
+    inv = tl.zeros((SP, BN), dtype=tl.float32)
+    codes = tl.zeros((SP, G), dtype=tl.int32)
+    for g in tl.static_range(G):
+        code = mx_code(tl.max(tl.where((grp == g)[None, :], av, 0.0), axis=1))  # [SP]
+        # 2^(127-code): exact power of two (code 254 only for amax >= 6·2^126, read as 0)
+        inv = tl.where((grp == g)[None, :], ((254 - code) << 23).to(tl.float32, bitcast=True)[:, None], inv)
+        codes = tl.where((rg == g)[None, :], code[:, None], codes)
+    return e2m1_round(v * inv), codes
+
+
+@triton.jit
+def perm32(c):
+    """Column c -> its place when every 32-block stores its even elements, then its odd ones
+    (the layout the nibble-plane MMAs read with contiguous 32-byte loads)."""
+    return (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
+
+
+@triton.jit
+def gemv(x_ptr, sx, S, w_ptr, sw, n0, N, k_lo, nk, koff, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
+         XCG: tl.constexpr, SWAP: tl.constexpr = False):
+    """acc[SP, BN] = x[:S, K] @ w[n0:n0+BN, K]^T in fp32 over K = [k_lo, k_lo + nk·BK)
+    (rows >= S and >= N read as 0), visiting the BK blocks from block koff on. Each weight
+    row streams once in 16-byte vector loads; XCG reads x past L1, for x written by other
+    programs of the same launch. SWAP computes w @ x^T ([BN, SP], weights as the MMA's
+    M side: with BN >= 64 that is a Hopper warpgroup MMA) and transposes at the end."""
+    rs = tl.arange(0, SP)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    xm = rs[:, None] < S
+    wm = rn[:, None] < N
+    if SWAP:
+        acct = tl.zeros((BN, SP), dtype=tl.float32)
+    else:
+        acc = tl.zeros((SP, BN), dtype=tl.float32)
+    for it in range(0, nk):
+        k0 = k_lo + ((it + koff) % nk) * BK
+        if XCG:
+            x = tl.load(x_ptr + rs[:, None] * sx + (k0 + rk)[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(x_ptr + rs[:, None] * sx + (k0 + rk)[None, :], mask=xm, other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * sw + (k0 + rk)[None, :], mask=wm, other=0.0)
+        if SWAP:
+            acct = mma(w, tl.trans(x), acct)
+        else:
+            acc = mma(x, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acct)
+    return acc
+
+
+@triton.jit
+def splitk(acc, part_ptr, pitch, ctr_ptr, nb, ks, S, N, n0, BN: tl.constexpr, SP: tl.constexpr,
+           SPLIT: tl.constexpr):
+    """K-split reduction of one output block (columns n0.. of N): (is the caller the block's
+    last program, the fp32 sum of all SPLIT partials in split order).
+    part: [SPLIT, SP, pitch] fp32."""
+    if SPLIT == 1:
+        return True, acc
+    else:
+        rs = tl.arange(0, SP)
+        rn = n0 + tl.arange(0, BN)
+        om = (rs[:, None] < S) & (rn[None, :] < N)
+        tl.store(part_ptr + (ks * SP + rs[:, None]) * pitch + rn[None, :], acc, mask=om)
+        tl.debug_barrier()
+        last = tl.atomic_add(ctr_ptr + nb, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        tot = tl.zeros((SP, BN), dtype=tl.float32)
+        if last:
+            tl.atomic_xchg(ctr_ptr + nb, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()
+            for k in tl.static_range(SPLIT):
+                tot += tl.load(part_ptr + (k * SP + rs[:, None]) * pitch + rn[None, :], mask=om, other=0.0,
+                               cache_modifier=".cg")
+        return last, tot
+
+
+@triton.jit
+def attnres_row(t, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr, sx,
+                tapd_ptr, H, eps, out_eps,
+                NB: tl.constexpr, NBP: tl.constexpr, BH: tl.constexpr, ADD: tl.constexpr,
+                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr):
+    """One token row: carry update, AttnRes over blocks[t, :NB] + prefix, RMSNorm -> x[t] (bf16).
+
+    ADD 0: prefix as is; 1: prefix = bf16(prefix + delta) (K1); 2: prefix = bf16(prefix +
+    bf16(d32)) (K2); 3: prefix = bf16(d32) (K2 block-write reset). WRITE_IDX >= 0 copies the
+    new prefix into blocks[t, WRITE_IDX]. The sources are read back after a barrier.
+    """
+    rh = tl.arange(0, BH)
+    if ADD != 0 or WRITE_IDX >= 0:
+        for h0 in range(0, H, BH):
+            hm = h0 + rh < H
+            p = tl.load(prefix_ptr + t * sp + h0 + rh, mask=hm, other=0.0)
+            if ADD == 1:
+                d = tl.load(add_ptr + t * sa + h0 + rh, mask=hm, other=0.0)
+                pre = bf16(p.to(tl.float32) + d.to(tl.float32))
+            elif ADD == 2:
+                d = bf16(tl.load(add_ptr + t * sa + h0 + rh, mask=hm, other=0.0))
+                pre = bf16(p.to(tl.float32) + d.to(tl.float32))
+                if TAPS:
+                    tl.store(tapd_ptr + t * H + h0 + rh, d, mask=hm)
+            elif ADD == 3:
+                pre = bf16(tl.load(add_ptr + t * sa + h0 + rh, mask=hm, other=0.0))
+                if TAPS:
+                    tl.store(tapd_ptr + t * H + h0 + rh, pre, mask=hm)
+            else:
+                pre = p
+            if ADD != 0:
+                tl.store(prefix_ptr + t * sp + h0 + rh, pre, mask=hm)
+            if WRITE_IDX >= 0:
+                tl.store(blocks_ptr + t * sbt + WRITE_IDX * sbb + h0 + rh, pre, mask=hm)
+        tl.debug_barrier()
+    rs = tl.arange(0, NBP)
+    isb = rs < NB
+    dot = tl.zeros((NBP,), dtype=tl.float32)
+    sq = tl.zeros((NBP,), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        hm = h0 + rh < H
+        c = tl.load(nw_ptr + h0 + rh, mask=hm, other=0.0).to(tl.float32) * \
+            tl.load(qk_ptr + h0 + rh, mask=hm, other=0.0).to(tl.float32)
+        v = _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB)
+        dot += tl.sum(v * c[None, :], axis=1)
+        sq += tl.sum(v * v, axis=1)
+    logit = dot * rsqrt(sq / H + eps)
+    logit = tl.where(rs <= NB, logit, float("-inf"))
+    ex = tl.exp(logit - tl.max(logit, axis=0))
+    p = ex / tl.sum(ex, axis=0)
+    msq = tl.zeros((BH,), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        hm = h0 + rh < H
+        v = _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB)
+        mixed = tl.sum(p[:, None] * v, axis=0)
+        msq += mixed * mixed
+    r = rsqrt(tl.sum(msq, axis=0) / H + out_eps)
+    for h0 in range(0, H, BH):
+        hm = h0 + rh < H
+        v = _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB)
+        mixed = tl.sum(p[:, None] * v, axis=0)
+        w = tl.load(inw_ptr + h0 + rh, mask=hm, other=0.0).to(tl.float32)
+        tl.store(x_ptr + t * sx + h0 + rh, bf16(mixed * r * w), mask=hm)
+
+
+@triton.jit
+def _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB: tl.constexpr):
+    """[NBP, BH] fp32: bank rows 0..NB-1, the prefix as row NB, zeros below."""
+    vb = tl.load(blocks_ptr + t * sbt + rs[:, None] * sbb + (h0 + rh)[None, :],
+                 mask=isb[:, None] & hm[None, :], other=0.0).to(tl.float32)
+    vp = tl.load(prefix_ptr + t * sp + h0 + rh, mask=hm, other=0.0).to(tl.float32)
+    return tl.where(isb[:, None], vb, tl.where((rs == NB)[:, None], vp[None, :], 0.0))

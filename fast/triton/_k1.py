@@ -1,0 +1,208 @@
+"""K1 (KDA pre-attention) kernels. Launches: [attnres + in_proj] (one launch, or two when
+not merged), then the conv/gates/recurrence/gated-norm launch. docs/triton.md has the plan."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._jit import attnres_row, bf16, gemv, mma, rsqrt, sigmoid, splitk
+
+# ctr layout of a ticketed launch: [ticket, rows ready, programs done, spin overflow]
+SPIN_LIMIT = tl.constexpr(1 << 22)
+
+
+@triton.jit
+def k1_attnres_kernel(prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr,
+                      H, eps, out_eps, NB: tl.constexpr, NBP: tl.constexpr, BH: tl.constexpr,
+                      ADD: tl.constexpr, WRITE_IDX: tl.constexpr):
+    """Grid (S,): steps 1-3 for token row program_id(0)."""
+    attnres_row(tl.program_id(0), prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr,
+                x_ptr, H, x_ptr, H, eps, out_eps, NB, NBP, BH, ADD, WRITE_IDX, False)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, sx, S, w_ptr, sw, out_ptr, so, N, K, part_ptr, ctr_ptr, BN: tl.constexpr, BK: tl.constexpr,
+                SP: tl.constexpr, SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr):
+    """Grid (cdiv(N, BN)·SPLIT,): out[:S, n0:n0+BN] = bf16(x @ w^T), one rounding after fp32
+    accumulation. SPLIT > 1 splits K: partial sums go to part[SPLIT, SP, N] and the last
+    program of an output block (acq_rel counter) adds them in split order."""
+    pid = tl.program_id(0)
+    nb = pid // SPLIT
+    ks = pid % SPLIT
+    n0 = nb * BN
+    nk = K // BK // SPLIT
+    acc = gemv(x_ptr, sx, S, w_ptr, sw, n0, N, ks * nk * BK, nk, (pid * STAG) % nk, BN, BK, SP, False, SWAP)
+    last, tot = splitk(acc, part_ptr, N, ctr_ptr, nb, ks, S, N, n0, BN, SP, SPLIT)
+    if last:
+        rs = tl.arange(0, SP)
+        rn = n0 + tl.arange(0, BN)
+        tl.store(out_ptr + rs[:, None] * so + rn[None, :], bf16(tot), mask=(rs[:, None] < S) & (rn[None, :] < N))
+
+
+@triton.jit
+def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr,
+                  w_ptr, sw, proj_ptr, part_ptr, ctrn_ptr, S, H, NP, eps, out_eps,
+                  NB: tl.constexpr, NBP: tl.constexpr, BH: tl.constexpr, ADD: tl.constexpr,
+                  WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
+                  SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr):
+    """Grid (S + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
+
+    Programs take a ticket (their start order): tickets < S compute x rows, the rest wait
+    for all S rows, then stream their in_proj rows (one K split of one row block). A
+    waiting program only waits on programs that started before it, so the wait always
+    ends (also on ROCm, also in the interpreter, which runs programs in order). The last
+    program resets the counters.
+    """
+    ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+    if ticket < S:
+        attnres_row(ticket, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr,
+                    x_ptr, H, x_ptr, H, eps, out_eps, NB, NBP, BH, ADD, WRITE_IDX, False)
+        tl.debug_barrier()
+        tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
+    else:
+        u = ticket - S
+        nb = u // SPLIT
+        ks = u % SPLIT
+        n0 = nb * BN
+        spins = 0
+        while (tl.atomic_add(ctr_ptr + 1, 0, sem="acquire", scope="gpu") < S) & (spins < SPIN_LIMIT):
+            spins += 1
+        if spins >= SPIN_LIMIT:
+            tl.atomic_add(ctr_ptr + 3, 1, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+        nk = H // BK // SPLIT
+        acc = gemv(x_ptr, H, S, w_ptr, sw, n0, NP, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True, SWAP)
+        last, tot = splitk(acc, part_ptr, NP, ctrn_ptr, nb, ks, S, NP, n0, BN, SP, SPLIT)
+        if last:
+            rs = tl.arange(0, SP)
+            rn = n0 + tl.arange(0, BN)
+            tl.store(proj_ptr + rs[:, None] * NP + rn[None, :], bf16(tot),
+                     mask=(rs[:, None] < S) & (rn[None, :] < NP))
+    tl.debug_barrier()
+    total = S + tl.cdiv(NP, BN) * SPLIT
+    if tl.atomic_add(ctr_ptr + 2, 1, sem="acq_rel", scope="gpu") == total - 1:
+        tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctr_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctr_ptr + 2, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _seq(POS: tl.constexpr, W: tl.constexpr, c, csb, csc, csp, a, proj_ptr, spj, row0):
+    """seq[POS] of channels c (fp32): window entry POS of the conv state, then the new in_proj rows."""
+    if POS < W - 1:
+        v = tl.load(csb + c * csc + (a - 1 + POS) * csp)
+    else:
+        v = tl.load(proj_ptr + (row0 + POS - (W - 1)) * spj + c)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _conv_y(j: tl.constexpr, W: tl.constexpr, c, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0):
+    """bf16(silu(Σ_q conv_w[c, q]·seq[j+q])) as fp32 values."""
+    y = tl.zeros(c.shape, dtype=tl.float32)
+    for q in tl.static_range(W):
+        y += tl.load(cw_ptr + c * scw + q).to(tl.float32) * _seq(j + q, W, c, csb, csc, csp, a, proj_ptr, spj, row0)
+    return bf16(y / (1.0 + tl.exp(-y))).to(tl.float32)
+
+
+@triton.jit
+def _conv_carry(c, csb, csc, csp, a, proj_ptr, spj, row0, do_write, W: tl.constexpr, L: tl.constexpr,
+                SEQP: tl.constexpr):
+    """conv_state[slot, c, 0:W-2+L] = seq[1:] (exact bf16 copies); all reads precede the writes."""
+    rp = tl.arange(0, SEQP)
+    src = rp + 1
+    keep = rp < W - 2 + L
+    inwin = src < W - 1
+    v1 = tl.load(csb + c[None, :] * csc + (a - 1 + src)[:, None] * csp, mask=(inwin & keep)[:, None], other=0.0)
+    v2 = tl.load(proj_ptr + (row0 + src - (W - 1))[:, None] * spj + c[None, :], mask=(keep & (src >= W - 1))[:, None],
+                 other=0.0)
+    val = tl.where(inwin[:, None], v1, v2)
+    tl.debug_barrier()
+    tl.store(csb + c[None, :] * csc + rp[:, None] * csp, val, mask=tl.where(do_write, keep[:, None], False))
+
+
+@triton.jit
+def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sfb, alog_ptr, dtb_ptr, onw_ptr,
+                  rs_ptr, rss, rsh, rsv, rsk, st_ptr, str_, stj, na_ptr, core_ptr, sco, obuf_ptr, ctr_ptr,
+                  tconv_ptr, tgate_ptr, tbeta_ptr, lower_bound, onorm_eps,
+                  L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
+                  BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr):
+    """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
+
+    Each program owns its v rows of the state and of the v conv channels. The q/k conv
+    channels and the gated norm belong to the head, so the last of the NV programs of
+    (r, h) to finish (an acq_rel counter) writes the q/k window carry and core_out.
+    """
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    P: tl.constexpr = NH * HD
+    a = tl.load(na_ptr + r)
+    sc = tl.load(st_ptr + r * str_)
+    s0 = tl.load(st_ptr + r * str_ + (a - 1) * stj)
+    live = s0 > 0
+    kk = tl.arange(0, HD)
+    vv = vb * BV + tl.arange(0, BV)
+    cq = h * HD + kk
+    ck = P + h * HD + kk
+    cv = 2 * P + h * HD + vv
+    csb = cs_ptr + tl.maximum(sc, 0).to(tl.int64) * css  # a null conv slot reads slot 0
+    row0 = r * L
+    ri = tl.arange(0, RANK)
+    # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
+    rl = tl.arange(0, LP)
+    fa = tl.load(proj_ptr + (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], mask=(rl < L)[:, None], other=0.0)
+    wfbt = tl.load(wfb_ptr + (h * HD + kk)[None, :] * sfb + ri[:, None])  # [RANK, HD(k)]
+    g1 = bf16(mma(fa, wfbt, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
+    A = tl.exp(tl.load(alog_ptr + h))
+    gate_all = lower_bound * sigmoid(A * (g1 + tl.load(dtb_ptr + h * HD + kk)[None, :]))  # [LP, HD]
+    beta_all = sigmoid(tl.load(proj_ptr + (row0 + rl) * spj + 4 * P + RANK + h, mask=rl < L, other=0.0).to(tl.float32))
+    rbase = rs_ptr + h * rsh + vv[:, None] * rsv + kk[None, :] * rsk
+    full = (vv[:, None] >= 0) & (kk[None, :] >= 0)
+    st = tl.load(rbase + tl.maximum(s0, 0).to(tl.int64) * rss, mask=tl.where(live, full, False), other=0.0)  # S[v, k]
+    for j in tl.static_range(L):
+        t = row0 + j
+        qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        vc = _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        gate = tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0)
+        decay = tl.exp(gate)
+        beta = tl.sum(tl.where(rl == j, beta_all, 0.0), axis=0)
+        # l2-normalized q, k in fp32 (not rounded)
+        qn = qc * rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (HD ** -0.5)
+        kn = kc * rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
+        st = st * decay[None, :]
+        pred = tl.sum(st * kn[None, :], axis=1)
+        u = (vc - pred) * beta
+        st = st + u[:, None] * kn[None, :]
+        o = bf16(tl.sum(st * qn[None, :], axis=1))
+        o = tl.where(live, o, 0.0)
+        tl.store(obuf_ptr + t * P + h * HD + vv, o)
+        slot = tl.load(st_ptr + r * str_ + j * stj)
+        tl.store(rbase + tl.maximum(slot, 0).to(tl.int64) * rss, st, mask=tl.where(live & (slot > 0), full, False))
+        if TAPS:
+            tl.store(tconv_ptr + t * (3 * P) + cv, vc.to(tl.bfloat16))
+            if vb == 0:
+                tl.store(tconv_ptr + t * (3 * P) + cq, qc.to(tl.bfloat16))
+                tl.store(tconv_ptr + t * (3 * P) + ck, kc.to(tl.bfloat16))
+                tl.store(tgate_ptr + t * P + h * HD + kk, gate)
+                tl.store(tbeta_ptr + t * NH + h, beta)
+    _conv_carry(cv, csb, csc, csp, a, proj_ptr, spj, row0, sc > 0, W, L, SEQP)
+    if NV > 1:
+        tl.debug_barrier()
+        last = tl.atomic_add(ctr_ptr + r * NH + h, 1, sem="acq_rel", scope="gpu") == NV - 1
+    else:
+        last = True
+    if last:
+        if NV > 1:
+            tl.atomic_xchg(ctr_ptr + r * NH + h, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()
+        _conv_carry(cq, csb, csc, csp, a, proj_ptr, spj, row0, sc > 0, W, L, SEQP)
+        _conv_carry(ck, csb, csc, csp, a, proj_ptr, spj, row0, sc > 0, W, L, SEQP)
+        onw = tl.load(onw_ptr + kk).to(tl.float32)
+        for j in tl.static_range(L):
+            t = row0 + j
+            oh = tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32)
+            g2 = tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32)
+            y = oh * rsqrt(tl.sum(oh * oh, axis=0) / HD + onorm_eps) * onw * sigmoid(g2)
+            tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))

@@ -1,0 +1,175 @@
+"""Triton backend, K1, in the CPU interpreter (tiny config) against the reference.
+
+Bookkeeping outputs must be bit-exact (prefix after the delta add, the written block,
+untouched cache slots and positions, the carried conv window); the rest within tight
+tolerances. TRITON_INTERPRET=1 is set here before the kernels are first imported.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+import ref  # noqa: E402
+from conftest import clone, make_k1  # noqa: E402
+from ref import abi  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from fast.triton import BACKEND, _jit
+
+    if not _jit.INTERP:
+        pytest.skip("fast.triton kernels were imported in compiled mode (TRITON_INTERPRET unset at import)")
+    return BACKEND
+
+
+@pytest.fixture
+def tune():
+    """TUNE of the backend, restored after the test."""
+    from fast.triton import _host
+    from fast.triton.tuning import TUNE
+
+    saved = dict(TUNE)
+    yield TUNE
+    TUNE.clear()
+    TUNE.update(saved)
+    _host.clear_scratch()
+
+
+def _ulp_frac(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of elements differing by more than one bf16 ulp of b."""
+    a, b = a.float(), b.float()
+    e = torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -100)))
+    return float(((a - b).abs() > torch.exp2(e - 7) * 1.001).float().mean())
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, cos_min=0.9999, ulp_frac=0.01):
+    assert torch.isfinite(a.float()).all(), "non-finite output"
+    cos = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0)
+    assert cos >= cos_min, f"cosine {float(cos):.6f}"
+    assert _ulp_frac(a, b) <= ulp_frac
+
+
+def _exact_masks(key, kw):
+    """conv_state entries / rstate slots that must come out bit-identical."""
+    L, W = key.qlen, kw["conv_w"].shape[1]
+    st, na = kw["st_idx"], kw["num_acc"]
+    cs = torch.ones(kw["conv_state"].shape, dtype=torch.bool)
+    rs = torch.ones(kw["rstate"].shape[0], dtype=torch.bool)
+    for r in range(st.shape[0]):
+        if st[r, 0] > 0:
+            cs[st[r, 0], :, W - 2:W - 2 + L] = False  # new in_proj values: tolerance
+        if st[r, na[r] - 1] > 0:
+            for j in range(L):
+                if st[r, j] > 0:
+                    rs[st[r, j]] = False
+    return cs, rs
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """Same values as a [slots, C, SL] view of a [slots, SL, C] buffer."""
+    buf = torch.empty(t.shape[0], t.shape[2], t.shape[1], dtype=t.dtype)
+    buf.copy_(t.transpose(1, 2))
+    return buf.transpose(1, 2)
+
+
+def _strided_slots(t: torch.Tensor) -> torch.Tensor:
+    """Same values with the slot dim strided (every other slot of a bigger buffer)."""
+    buf = torch.full((2 * t.shape[0],) + tuple(t.shape[1:]), 7.0, dtype=t.dtype)
+    v = buf[::2]
+    v.copy_(t)
+    return v
+
+
+def _run(backend, key, kw, poison=True):
+    """(reference kwargs after, backend kwargs after, ref taps, backend taps)."""
+    a, b = clone(kw), clone(kw)
+    if poison:  # never-referenced slots: the backend must leave them bit-identical
+        b["conv_state"][-2:] = float("nan")
+        b["rstate"][-2:] = float("nan")
+        b["core_out"].fill_(float("nan"))
+    ta, tb = {}, {}
+    ref.kda_pre(key, **a, taps=ta)
+    backend.kda_pre(key, **b, taps=tb)
+    return a, b, ta, tb
+
+
+def _check(key, kw, a, b, ta, tb):
+    assert torch.equal(b["prefix"], a["prefix"]), "prefix after the delta add"
+    assert torch.equal(b["blocks"], a["blocks"]), "bank (written block and the rest)"
+    cs, rs = _exact_masks(key, kw)
+    spare = torch.zeros_like(cs)
+    spare[-2:] = True
+    bc, ac = b["conv_state"], a["conv_state"]
+    assert torch.isnan(bc[spare]).all(), "an untouched conv slot was written"
+    assert torch.equal(bc[cs & ~spare], ac[cs & ~spare]), "carried window / untouched conv entries"
+    _close(bc[~cs], ac[~cs], ulp_frac=0.02)
+    br, ar = b["rstate"], a["rstate"]
+    assert torch.isnan(br[-2:]).all(), "an untouched recurrent slot was written"
+    keep = rs.clone()
+    keep[-2:] = False
+    assert torch.equal(br[keep], ar[keep]), "untouched recurrent slots"
+    if (~rs).any():
+        _close(br[~rs], ar[~rs], cos_min=0.99999, ulp_frac=1.0)
+    _close(b["core_out"], a["core_out"], ulp_frac=0.02)
+    assert set(tb) == set(abi.K1_TAPS)
+    for n in abi.K1_TAPS:
+        assert tb[n].shape == ta[n].shape and tb[n].dtype == ta[n].dtype, n
+    assert torch.equal(tb["x"], ta["x"]) or _ulp_frac(tb["x"], ta["x"]) < 0.01
+    _close(tb["proj"], ta["proj"], ulp_frac=0.01)
+    _close(tb["o"], ta["o"], ulp_frac=0.02)
+    _close(tb["gate"], ta["gate"], cos_min=0.999999, ulp_frac=1.0)
+
+
+@pytest.mark.parametrize("case", ["block_write_delta_padding", "plain_no_delta_strided", "qlen1_unmerged_split"])
+def test_k1_matches_reference(backend, tune, k1_case, case):
+    if case == "block_write_delta_padding":
+        # layer 2 of tiny (block_size 2): writes bank row 1; every 2nd request is padding
+        tune.update(k1_nv=2)
+        key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
+        assert key.write_idx == 1
+    elif case == "plain_no_delta_strided":
+        tune.update(k1_nv=1)
+        key, kw = k1_case(layer=3, R=3, L=2, with_delta=False, sl_extra=2)
+        kw["conv_state"] = _transposed(kw["conv_state"])
+        kw["rstate"] = _strided_slots(kw["rstate"])
+        assert key.write_idx == -1 and kw["conv_state"].stride(1) == 1
+    else:
+        tune.update(k1_merge=False, k1_split=2, k1_bk=32, k1_bn=16, k1_swap=True)
+        key, kw = k1_case(layer=5, R=5, L=1, with_delta=True, pad_every=3)
+    a, b, ta, tb = _run(backend, key, kw)
+    _check(key, kw, a, b, ta, tb)
+
+
+def test_k1_scratch_reused_and_counters_reset(backend, tune, k1_case):
+    """Second call of a build reuses its scratch; every handshake counter is back at 0."""
+    from fast.triton import _host
+
+    tune.update(k1_nv=2)
+    key, kw = k1_case(layer=1, R=2, L=2)
+    backend.kda_pre(key, **clone(kw))
+    n = len(_host._SCRATCH)
+    bufs = {k: {n: t.data_ptr() for n, t in v.items()} for k, v in _host._SCRATCH.items() if k[1] == key}
+    backend.kda_pre(key, **clone(kw))
+    assert len(_host._SCRATCH) == n
+    for k, v in _host._SCRATCH.items():
+        if k[1] == key:
+            assert {n: t.data_ptr() for n, t in v.items()} == bufs[k]
+            for c in ("ctr", "ctr_rec", "ctr_n"):
+                assert int(v[c].abs().sum()) == 0, c
+
+
+def test_k1_rejects_bad_shapes(backend, k1_case):
+    key, kw = k1_case(R=2, L=2)
+    kw = clone(kw)
+    kw["w_in"] = kw["w_in"][:, :-1]
+    with pytest.raises(abi.ArgError) as e:
+        backend.kda_pre(key, **kw)
+    assert e.value.field == "w_in"
