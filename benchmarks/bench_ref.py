@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--captures", help="take the step from a capture set instead of synthesizing one")
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="print the top ops of one exact step")
     a = ap.parse_args(argv)
     dev = a.device
     t0 = time.perf_counter()
@@ -101,6 +102,14 @@ def main(argv=None) -> int:
                      "peak_extra_gib": peak / 2 ** 30}
         print(f"{mode:6s}: median {res[mode]['median_ms']:8.2f} ms  min {res[mode]['min_ms']:8.2f} ms  "
               f"peak memory above inputs {res[mode]['peak_extra_gib']:.2f} GiB  ({a.repeats} repeats)")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
+        with profile(activities=acts) as prof:
+            step(k1k, k1s, k2k, k2s, "exact")
+            _sync(dev)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=40))
     if dev.startswith("cuda"):
         res["resident_gib"] = torch.cuda.memory_allocated() / 2 ** 30
     print(json.dumps(res))

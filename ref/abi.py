@@ -107,6 +107,7 @@ def check_args(spec, args: dict, mode: str = "exact", fmt: str | None = None,
                check_finite: bool = True) -> dict[str, int]:
     """Validate shapes/dtypes against `spec`; return the resolved dim symbols."""
     dims: dict[str, int] = {}
+    finite = []
     for name, shape, cls, role in spec:
         if name not in args:
             raise ArgError(name, "missing")
@@ -132,8 +133,12 @@ def check_args(spec, args: dict, mode: str = "exact", fmt: str | None = None,
             if dims.setdefault(sym, n) != n:
                 raise ArgError(name, f"shape {tuple(t.shape)}: dim {sym}={n} disagrees with {dims[sym]} "
                                      "from an earlier argument")
-        if check_finite and t.is_floating_point() and role != "out" and not bool(torch.isfinite(t).all()):
-            raise ArgError(name, "contains NaN or Inf")
+        if check_finite and t.is_floating_point() and role != "out":
+            finite.append((name, torch.isfinite(t).all()))
+    if finite:  # one device sync for all of them
+        for (name, _), ok in zip(finite, torch.stack([f for _, f in finite]).tolist()):
+            if not ok:
+                raise ArgError(name, "contains NaN or Inf")
     return dims
 
 

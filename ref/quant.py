@@ -26,10 +26,19 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+_LUTS: dict = {}
+
+
+def _e2m1_lut(dtype, device) -> torch.Tensor:
+    key = (dtype, str(device))
+    if key not in _LUTS:
+        _LUTS[key] = torch.tensor(E2M1_MAG + tuple(-m for m in E2M1_MAG), dtype=dtype, device=device)
+    return _LUTS[key]
+
+
 def e2m1_decode(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """uint8 codes 0..15 -> values; bit 3 is the sign."""
-    lut = torch.tensor(E2M1_MAG + tuple(-m for m in E2M1_MAG), dtype=dtype, device=codes.device)
-    return lut[codes.long()]
+    return _e2m1_lut(dtype, codes.device)[codes.long()]
 
 
 def e2m1_encode(y: torch.Tensor) -> torch.Tensor:

@@ -24,13 +24,14 @@ def routed_experts(lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     a = num.f(lat)
     if fmt == "mxfp4":
         a = mx_fake_quant(a)
+    # every pick's GEMMs at once (each pick is independent); picks in [S, K] order
+    pick = inv.reshape(-1)
+    gu = torch.einsum("sl,sknl->skn", a, W13[pick].reshape(S, K, 2 * ri, -1))
+    v = situ(gu[..., :ri], gu[..., ri:], beta, lam)
+    v = mx_fake_quant(v) if fmt == "mxfp4" else num.f(num.bf(v))
+    acc = torch.einsum("skr,sklr->skl", v, W2[pick].reshape(S, K, W2.shape[1], ri))
+    contrib = num.f(num.bf(acc * num.f(weights)[..., None]))  # [S, K, LAT]
     y = torch.zeros(S, lat.shape[1], dtype=num.dtype, device=lat.device)
-    for k in num.perm(K):
-        wk = W13[inv[:, k]]  # [S, 2RI, LAT]
-        gu = torch.einsum("sl,snl->sn", a, wk)
-        v = situ(gu[:, :ri], gu[:, ri:], beta, lam)
-        v = mx_fake_quant(v) if fmt == "mxfp4" else num.f(num.bf(v))
-        acc = torch.einsum("sr,slr->sl", v, W2[inv[:, k]])
-        contrib = num.f(num.bf(acc * num.f(weights[:, k])[:, None]))
-        y = num.f(num.bf(y + contrib))
+    for k in num.perm(K):  # the accumulation order is the contract: one rounding per add
+        y = num.f(num.bf(y + contrib[:, k]))
     return num.bf(y)

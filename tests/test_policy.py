@@ -183,7 +183,10 @@ def test_default_policy_separates(rng, fmt):
     flips.view(-1)[idx] += 1  # one bf16 ulp up at 0.2% of the elements
     assert passed(list(_judge_default("k2", "y", fmt, flips.view(BF16), b).values()))
     scaled = (b32 * 1.01).to(BF16)
-    res = _judge_default("k2", "y", fmt, scaled, b)
+    # mxfp4's chained routed tail is as noisy as 10% rel L2 between two correct kernels at
+    # k3-tp8 (golden/tolerances.toml): a 1% gain is the isolated view's to catch there
+    view = "isolated" if fmt == "mxfp4" else "chained"
+    res = _judge_default("k2", "y", fmt, scaled, b, view=view)
     assert not passed(list(res.values()))
     # bookkeeping: a single one-ulp difference in the prefix fails
     res = _judge_default("k1", "prefix", fmt, flips.view(BF16), b)
