@@ -9,6 +9,8 @@ RIq = RI/2, RIs = RI/32, UP rows of w_up.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 BF16, F32, F64, I32, U8 = torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.uint8
@@ -134,10 +136,12 @@ def check_args(spec, args: dict, mode: str = "exact", fmt: str | None = None,
                 raise ArgError(name, f"shape {tuple(t.shape)}: dim {sym}={n} disagrees with {dims[sym]} "
                                      "from an earlier argument")
         if check_finite and t.is_floating_point() and role != "out":
-            finite.append((name, torch.isfinite(t).all()))
+            # an f64 sum is non-finite iff some element is (bf16/fp32 values cannot overflow it)
+            finite.append((name, t.sum(dtype=torch.float64)))
     if finite:  # one device sync for all of them
-        for (name, _), ok in zip(finite, torch.stack([f for _, f in finite]).tolist()):
-            if not ok:
+        sums = torch.stack([f for _, f in finite]).tolist()
+        for (name, _), v in zip(finite, sums):
+            if not math.isfinite(v):
                 raise ArgError(name, "contains NaN or Inf")
     return dims
 

@@ -44,10 +44,14 @@ def e2m1_decode(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
     """Round to the nearest E2M1 value (ties to even code), saturating at ±6 -> uint8 codes."""
     a = y.abs()
-    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
-    for mid, up in zip(_E2M1_MID, _E2M1_TIE_UP):
-        code += (a >= mid if up else a > mid).to(torch.uint8)
-    return code | ((y < 0).to(torch.uint8) << 3)
+    key = ("mids", a.dtype, str(a.device))
+    if key not in _LUTS:
+        _LUTS[key] = tuple(torch.tensor([m for m, u in zip(_E2M1_MID, _E2M1_TIE_UP) if u == want], dtype=a.dtype,
+                                        device=a.device) for want in (False, True))
+    down, up = _LUTS[key]
+    # midpoints passed: strictly (tie stays on the even code below) or at-or-above (even code above)
+    code = torch.bucketize(a, down, right=False) + torch.bucketize(a, up, right=True)
+    return code.to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
 
 
 def e8m0_decode(scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
