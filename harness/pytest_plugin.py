@@ -37,7 +37,7 @@ def pytest_addoption(parser):
     g.addoption("--k3-device", default=None, help="torch device for replays (default: cuda if present, else cpu)")
 
 
-def _gpu_ids(env=os.environ) -> list[str]:
+def gpu_ids(env=os.environ) -> list[str]:
     """GPUs this process may use, found without starting a device runtime."""
     for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         v = env.get(var)
@@ -62,7 +62,7 @@ def pin_worker_gpu(env=os.environ) -> str | None:
         return None
     if env.get("K3VERIFY_PINNED_GPU") is not None:
         return env["K3VERIFY_PINNED_GPU"]
-    ids = _gpu_ids(env)
+    ids = gpu_ids(env)
     if not ids:
         return None
     gpu = ids[int(worker.lstrip("gw") or 0) % len(ids)]
