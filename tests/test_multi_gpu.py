@@ -45,3 +45,16 @@ def test_nccl_reductions_match_simulated_world():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["backends"]["ref"]["ranks_bit_identical"]
     assert res["backends"]["ref"]["dist_equals_simulated_bitwise"]
+
+
+@pytest.mark.cpu
+def test_multi_process_gloo_matches_simulated_world(tmp_path):
+    """The same script on CPUs: one gloo process per rank, bit-identical to SimWorld."""
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu.py"), "--captures",
+                        str(ROOT / "golden" / "set" / "int4-l2-3"), "--dist", "gloo", "--backends", "ref",
+                        "--repeats", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())["backends"]["ref"]
+    assert res["ranks_bit_identical"] and res["dist_equals_simulated_bitwise"] and res["policy_pass"]
