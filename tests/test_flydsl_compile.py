@@ -122,3 +122,20 @@ def test_spec_reaches_the_compiled_symbol_and_cache_key():
     assert keys[0][0] != keys[1][0] and keys[0][1] != keys[1][1]
     sp = dataclasses.replace(KN.EwSpec("rms", 4, 64, eps=1e-6), eps=1e-5)
     assert KN.ew(sp) is KN.ew(KN.EwSpec("rms", 4, 64, eps=1e-5))  # memoized on the spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_cli_k3_tp8_every_build(tmp_path, arch):
+    """Every kernel of every K1/K2 build of the k3-tp8 layer schedule (all 93 layers), no scratch."""
+    from harness.compile_cmd import cli
+
+    out = tmp_path / "k3.json"
+    assert cli(["--backend", "flydsl", "--arch", arch, "--config", "k3-tp8", "--json", str(out), "--quiet"]) == 0
+    rows = json.loads(out.read_text())["kernels"]
+    assert len(rows) > 40, len(rows)
+    bad = [r for r in rows if r["scratch"] or r["vgpr"] <= 0 or r["code_bytes"] <= 0]
+    assert not bad, bad[:3]
+    names = [r["name"] for r in rows]
+    for st in K1_STAGES + K2_STAGES:
+        assert any(n.startswith(st) for n in names), f"{arch}: {st} not compiled"
