@@ -5,16 +5,11 @@ against ref.quant. TRITON_INTERPRET=1 is set here before the kernels are first i
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from harness.pytest_plugin import gpu_ids  # noqa: E402
-
-if not gpu_ids():  # no GPU: interpret; on a GPU node the compiled kernels are left compiled
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from triton_tier import backend, triton, tune  # noqa: E402,F401  (sets TRITON_INTERPRET first)
 
 import triton.language as tl  # noqa: E402
 
@@ -25,28 +20,6 @@ from ref import abi, quant  # noqa: E402
 from ref.router import select  # noqa: E402
 
 pytestmark = pytest.mark.interpret
-
-
-@pytest.fixture(scope="module")
-def backend():
-    from fast.triton import BACKEND, _jit
-
-    if not _jit.INTERP:
-        pytest.skip("interpret tier: fast.triton is compiled here (a GPU is present, or TRITON_INTERPRET was unset "
-                    "at import); the GPU replays through `pytest --backend triton --captures DIR` cover it")
-    return BACKEND
-
-
-@pytest.fixture
-def tune():
-    from fast.triton import _host
-    from fast.triton.tuning import TUNE
-
-    saved = dict(TUNE)
-    yield TUNE
-    TUNE.clear()
-    TUNE.update(saved)
-    _host.clear_scratch()
 
 
 def _cos(a, b):
