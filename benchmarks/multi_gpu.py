@@ -61,7 +61,7 @@ def _worker(rank, world, port, set_path, backends, dist_backend, outdir, repeats
     import ref
     from fast import load_backend
     from harness.capture import load_set
-    from harness.engine import _chain_k2
+    from harness.engine import chain_k2
 
     device = f"cuda:{rank}" if dist_backend == "nccl" else "cpu"
     if device.startswith("cuda"):
@@ -80,7 +80,7 @@ def _worker(rank, world, port, set_path, backends, dist_backend, outdir, repeats
             if cs.kind == "kda":
                 k1 = cs.k1_args(rank, device, poison=False)
                 b.kda_pre(cs.k1_key, **k1)
-            k2 = _chain_k2(None, None if k1 is None else [k1], [cs.k2_args(rank, device, poison=False)])[0]
+            k2 = chain_k2(None if k1 is None else [k1], [cs.k2_args(rank, device, poison=False)])[0]
             dist.barrier()
             t = time.perf_counter()
             b.k2_launch(cs.k2_key, **k2, rank=rank, comm=comm)
@@ -102,7 +102,7 @@ def simulated(set_path, spec, device, repeats):
     import ref
     from fast import load_backend
     from harness.capture import load_set
-    from harness.engine import _chain_k2
+    from harness.engine import chain_k2
 
     from ref.comm import ordered_sum
 
@@ -126,7 +126,7 @@ def simulated(set_path, spec, device, repeats):
             k1 = [cs.k1_args(r, device, poison=False) for r in cs.ranks]
             for a in k1:
                 b.kda_pre(cs.k1_key, **a)
-        k2 = _chain_k2(None, k1, cs.k2_world_args(device))
+        k2 = chain_k2(k1, cs.k2_world_args(device))
         ref.k2_world(cs.k2_key, k2, launch=b.k2_launch)
     return [a["out"].cpu() for a in k2], [a["prefix"].cpu() for a in k2], statistics.median(timings) * 1e3
 

@@ -21,7 +21,6 @@ output name, rank and view; `harness.replay` judges them against the policy.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -86,7 +85,6 @@ def _poison_like(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 def _grow(t: torch.Tensor, extra: int, g: torch.Generator) -> torch.Tensor:
     """Append `extra` poisoned slots on dim 0, keeping t's layout (a transposed view stays one)."""
     perm = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    base = t.permute(*perm).contiguous()
     shape = list(t.shape)
     shape[0] += extra
     big = torch.empty([shape[p] for p in perm], dtype=t.dtype, device=t.device)
@@ -94,7 +92,6 @@ def _grow(t: torch.Tensor, extra: int, g: torch.Generator) -> torch.Tensor:
     view = big.permute(*inv)
     view[: t.shape[0]] = t
     view[t.shape[0]:] = _poison_like(view[t.shape[0]:], g)
-    del base
     return view
 
 
@@ -136,7 +133,9 @@ def _k1_all(launch, key, args_list, taps_list, **kw):
         launch(key, **a, **({"taps": t} if t is not None else {}), **kw)
 
 
-def _chain_k2(step: Step, k1_after: list[dict] | None, k2_base: list[dict]) -> list[dict]:
+def chain_k2(k1_after: list[dict] | None, k2_base: list[dict]) -> list[dict]:
+    """K2 inputs of one side: fresh copies, `out` NaN-poisoned, and for a KDA layer the
+    core/prefix/bank that side's K1 wrote."""
     out = []
     for r, a in enumerate(k2_base):
         b = clone_args(a)
@@ -160,7 +159,7 @@ def _run_side(step: Step, k1_in, k2_in, kda_pre, k2_launch, with_taps=True, forc
         _k1_all(kda_pre, step.k1_key, k1, t1, **kw)
     if k1_only:
         return k1, None, t1, t2
-    k2 = _chain_k2(step, k1, k2_in)
+    k2 = chain_k2(k1, k2_in)
     for r, (a, t) in enumerate(zip(k2, t2)):
         if t is not None:
             a["taps"] = t
@@ -305,7 +304,7 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
                 for t, v in iso.items():
                     cand = bk1[r]["core_out"] if t == "core_out" else bt1[r][t]
                     add("k1", t, r, cand, v, view="isolated")
-        k2_before = _chain_k2(step, bk1, k2_in) if bk2 is not None else None
+        k2_before = chain_k2(bk1, k2_in) if bk2 is not None else None
         iso2 = k2_isolated(step.k2_key, k2_before, bt2) if k2_before is not None else [{} for _ in range(W)]
         for r in range(W):
             for t, v in iso2[r].items():
@@ -318,7 +317,7 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
 def _k2_only(step, k1_after, k2_in, fid, **kw):
     """The reference's K2 alone on given K1 outputs, routing forced to `fid`."""
     t2 = [{} for _ in range(step.world)]
-    k2 = _chain_k2(step, k1_after, k2_in)
+    k2 = chain_k2(k1_after, k2_in)
     for r, (a, t) in enumerate(zip(k2, t2)):
         a["taps"], a["force_ids"] = t, fid[r].to(a["core"].device)
     ref.k2_world(step.k2_key, k2, **kw)
@@ -326,7 +325,3 @@ def _k2_only(step, k1_after, k2_in, fid, **kw):
         a.pop("taps")
         a.pop("force_ids")
     return k2, t2
-
-
-def replace(step: Step, **kw) -> Step:
-    return dataclasses.replace(step, **kw)
