@@ -11,6 +11,20 @@ import triton
 import triton.language as tl
 
 INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+SPIN_LIMIT = tl.constexpr(1 << 22)
+
+
+@triton.jit
+def wait_rows(ctr_ptr, S):
+    """Spin until the S AttnRes rows of this launch are published (ctr[1] == S). Only
+    programs with earlier tickets publish, so the wait ends; past SPIN_LIMIT it gives up
+    and raises the overflow flag ctr[3]."""
+    spins = 0
+    while (tl.atomic_add(ctr_ptr + 1, 0, sem="acquire", scope="gpu") < S) & (spins < SPIN_LIMIT):
+        spins += 1
+    if spins >= SPIN_LIMIT:
+        tl.atomic_add(ctr_ptr + 3, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit

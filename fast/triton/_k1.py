@@ -5,10 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import attnres_row, bf16, gemv, mma, rsqrt, sigmoid, splitk
+from ._jit import attnres_row, bf16, gemv, mma, rsqrt, sigmoid, splitk, wait_rows
 
 # ctr layout of a ticketed launch: [ticket, rows ready, programs done, spin overflow]
-SPIN_LIMIT = tl.constexpr(1 << 22)
 
 
 @triton.jit
@@ -64,12 +63,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
         nb = u // SPLIT
         ks = u % SPLIT
         n0 = nb * BN
-        spins = 0
-        while (tl.atomic_add(ctr_ptr + 1, 0, sem="acquire", scope="gpu") < S) & (spins < SPIN_LIMIT):
-            spins += 1
-        if spins >= SPIN_LIMIT:
-            tl.atomic_add(ctr_ptr + 3, 1, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
+        wait_rows(ctr_ptr, S)
         nk = H // BK // SPLIT
         acc = gemv(x_ptr, H, S, w_ptr, sw, n0, NP, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True, SWAP)
         last, tot = splitk(acc, part_ptr, NP, ctrn_ptr, nb, ks, S, NP, n0, BN, SP, SPLIT)

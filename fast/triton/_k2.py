@@ -8,8 +8,7 @@ import triton
 import triton.language as tl
 
 from ._jit import (attnres_row, bf16, e2m1_f16x2, e8m0, gemv, int4_bf16x2, mma, mx_quant_rows, perm32, pow2,
-                   rsqrt, sigmoid, situ, splitk)
-from ._k1 import SPIN_LIMIT
+                   rsqrt, sigmoid, situ, splitk, wait_rows)
 
 
 @triton.jit
@@ -104,12 +103,7 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
         j = ticket - S
         blk = j // SPLIT
         ks = j % SPLIT
-        spins = 0
-        while (tl.atomic_add(ctr_ptr + 1, 0, sem="acquire", scope="gpu") < S) & (spins < SPIN_LIMIT):
-            spins += 1
-        if spins >= SPIN_LIMIT:
-            tl.atomic_add(ctr_ptr + 3, 1, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
+        wait_rows(ctr_ptr, S)
         nk = H // BK // SPLIT
         k_lo = ks * nk * BK
         ko = (ticket * STAG) % nk
