@@ -135,7 +135,9 @@ def _device_label(device: str) -> str:
 def _arch(device: str) -> str | None:
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))
-        return getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+        if torch.version.hip:  # e.g. gfx942:sramecc+:xnack-
+            return props.gcnArchName
+        return f"sm_{props.major}{props.minor}"
     import platform
 
     return platform.machine()
