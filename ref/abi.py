@@ -14,9 +14,11 @@ import math
 import torch
 
 BF16, F32, F64, I32, U8 = torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.uint8
+QUANTIZED = ("mxfp4", "int4", "a8w4")  # expert formats with packed weights and scales
 
 # name, shape, dtype class ("act" = bf16 in exact mode / f64 in oracle; "f32" = fp32 /
-# f64; fixed dtypes otherwise), role: in | inout | out | opt (may be None)
+# f64; "w32" = fp32 or bf16 (read exactly: vLLM passes conv1d.weight fp32, the router bias
+# fp32 or bf16) / f64; fixed dtypes otherwise), role: in | inout | out | opt (may be None)
 K1_ARGS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("prefix", ("S", "H"), "act", "inout"),
     ("delta", ("S", "H"), "act", "opt"),
@@ -26,7 +28,7 @@ K1_ARGS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("in_nw", ("H",), "act", "in"),
     ("w_in", ("NP", "H"), "act", "in"),
     ("w_fb", ("P", "RK"), "act", "in"),
-    ("conv_w", ("C", "W"), "act", "in"),
+    ("conv_w", ("C", "W"), "w32", "in"),
     ("conv_state", ("CS", "C", "SL"), "act", "inout"),
     ("a_log", ("NH",), "f32", "in"),
     ("dt_bias", ("P",), "f32", "in"),
@@ -47,7 +49,7 @@ K2_ARGS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("ares_qk", ("H",), "act", "in"),
     ("in_nw", ("H",), "act", "in"),
     ("w_gate", ("E", "H"), "act", "in"),
-    ("bias", ("E",), "f32", "in"),
+    ("bias", ("E",), "w32", "in"),
     ("w_ld", ("LAT", "H"), "act", "in"),
     ("w_sgu", ("SI2", "H"), "act", "in"),
     ("w_sd", ("H", "SI"), "act", "in"),
@@ -92,12 +94,14 @@ def _dtype_ok(t: torch.Tensor, cls: str, mode: str, fmt: str | None) -> str | No
         want = (fl or BF16,)
     elif cls == "f32":
         want = (fl or F32,)
+    elif cls == "w32":
+        want = (fl,) if fl else (F32, BF16)
     elif cls == "i32":
         want = (I32,)
     elif cls == "w":
-        want = (U8,) if fmt in ("mxfp4", "int4") else (fl or BF16,)
+        want = (U8,) if fmt in QUANTIZED else (fl or BF16,)
     elif cls == "ws":
-        want = {"mxfp4": (U8,), "int4": (fl or BF16,)}.get(fmt, ())
+        want = {"mxfp4": (U8,), "a8w4": (U8,), "int4": (fl or BF16,)}.get(fmt, ())
     else:  # pragma: no cover
         raise AssertionError(cls)
     if t.dtype in want:
@@ -115,7 +119,7 @@ def check_args(spec, args: dict, mode: str = "exact", fmt: str | None = None,
             raise ArgError(name, "missing")
         t = args[name]
         if t is None:
-            if cls == "ws" and fmt in ("mxfp4", "int4"):
+            if cls == "ws" and fmt in QUANTIZED:
                 raise ArgError(name, f"is None: {fmt} experts need scales")
             if role == "opt" or cls == "ws":
                 continue

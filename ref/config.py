@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-EXPERT_FORMATS = ("bf16", "mxfp4", "int4")
+EXPERT_FORMATS = ("bf16", "mxfp4", "int4", "a8w4")
 
 
 def _pad16(n: int) -> int:
@@ -35,11 +35,22 @@ class Config:
     si: int  # shared intermediate per rank
     situ_beta: float
     situ_linear_beta: float
-    eps: float
-    l2_eps: float
+    eps: float  # K1 AttnRes norm (self_attention_res_norm)
+    l2_eps: float  # KDA q/k L2 norm
     layers: int
     block_size: int
     mla_layers: tuple[int, ...]  # 1-based, as DESIGN §4 lists them
+    dense_layers: tuple[int, ...] = (0,)  # 0-based: dense-MLP layers (first_k_dense_replace), K1 only
+    out_eps: float | None = None  # input_layernorm (None: eps)
+    onorm_eps: float | None = None  # KDA gated output norm
+    mlp_eps: float | None = None  # K2 AttnRes norm (mlp_res_norm)
+    mlp_out_eps: float | None = None  # post_attention_layernorm
+    ln_eps: float | None = None  # latent norm (routed_expert_norm)
+
+    def norm_eps(self, name: str) -> float:
+        """eps of one norm: out_eps, onorm_eps, mlp_eps, mlp_out_eps, ln_eps (None -> eps)."""
+        v = getattr(self, name)
+        return self.eps if v is None else v
 
     # ---- derived dims ----
     @property
@@ -71,8 +82,18 @@ class Config:
     def is_mla(self, i: int) -> bool:
         return (i + 1) in self.mla_layers
 
+    def is_dense(self, i: int) -> bool:
+        return i in self.dense_layers
+
     def kind(self, i: int) -> str:
-        return "mla" if self.is_mla(i) else "kda"
+        """'kda' (K1 + K2), 'mla' (K2 on MLA's core) or 'dense' (K1 + the dense MLP, no K2)."""
+        return "mla" if self.is_mla(i) else "dense" if self.is_dense(i) else "kda"
+
+    def has_k1(self, i: int) -> bool:
+        return not self.is_mla(i)
+
+    def has_k2(self, i: int) -> bool:
+        return not self.is_dense(i)
 
     def is_block_write(self, i: int) -> bool:
         return i % self.block_size == 0
@@ -102,6 +123,7 @@ class Config:
     def dims(self) -> dict:
         d = dataclasses.asdict(self)
         d["mla_layers"] = list(self.mla_layers)
+        d["dense_layers"] = list(self.dense_layers)
         d.update(p=self.p, qkv=self.qkv, nproj=self.nproj, up_n=self.up_n, nbmax=self.nbmax)
         return d
 
@@ -110,14 +132,21 @@ class Config:
         names = {f.name for f in dataclasses.fields(Config)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["mla_layers"] = tuple(kw["mla_layers"])
+        # captures written before dense layers existed carry no field: they had none
+        kw["dense_layers"] = tuple(kw.get("dense_layers", ()))
         return Config(**kw)
 
 
 _COMMON = dict(conv=4, lower_bound=-5.0, situ_beta=4.0, situ_linear_beta=25.0, eps=1e-5, l2_eps=1e-6)
 
 PRESETS: dict[str, Config] = {
-    "tiny": Config(name="tiny", world=2, hidden=128, nh=2, hd=16, rank=16, experts=8, topk=2,
-                   lat=64, ri=32, si=32, layers=6, block_size=2, mla_layers=(4, 6), **_COMMON),
+    # tiny discriminates: top-k 4 (per-pick rounding order visible), RI/SI of 128 global so
+    # world 4 keeps whole quant blocks, and a distinct eps per norm (a kernel reading the
+    # wrong eps field shows on the synthetic quiet rows, ref.synth.carry)
+    "tiny": Config(name="tiny", world=2, hidden=128, nh=2, hd=16, rank=16, experts=16, topk=4,
+                   lat=64, ri=64, si=64, layers=6, block_size=2, mla_layers=(4, 6),
+                   **_COMMON, out_eps=3e-5, onorm_eps=2e-4, mlp_eps=2e-5, mlp_out_eps=5e-5,
+                   ln_eps=1e-4),
     "small": Config(name="small", world=2, hidden=1024, nh=4, hd=128, rank=128, experts=64, topk=8,
                     lat=512, ri=128, si=256, layers=12, block_size=4, mla_layers=(4, 8, 12), **_COMMON),
     "k3-tp8": Config(name="k3-tp8", world=8, hidden=7168, nh=12, hd=128, rank=128, experts=896,
@@ -151,7 +180,7 @@ class KdaPreBuild:
 
 @dataclass(frozen=True)
 class K2Build:
-    """K2 build key. `experts` is the expert weight format (bf16 | mxfp4 | int4)."""
+    """K2 build key. `experts` is the expert weight format (bf16 | mxfp4 | int4 | a8w4)."""
 
     tokens: int
     nblocks: int
@@ -167,15 +196,19 @@ class K2Build:
 
 def k1_build(cfg: Config, layer: int, tokens: int, qlen: int, delta: bool, state_len: int) -> KdaPreBuild:
     return KdaPreBuild(tokens=tokens, qlen=qlen, nblocks=cfg.k1_nblocks(layer), delta=delta,
-                       state_len=state_len, eps=cfg.eps, out_eps=cfg.eps, onorm_eps=cfg.eps,
-                       lower_bound=cfg.lower_bound, write_idx=cfg.write_idx(layer))
+                       state_len=state_len, eps=cfg.eps, out_eps=cfg.norm_eps("out_eps"),
+                       onorm_eps=cfg.norm_eps("onorm_eps"), lower_bound=cfg.lower_bound,
+                       write_idx=cfg.write_idx(layer))
 
 
 def k2_build(cfg: Config, layer: int, tokens: int, fmt: str) -> K2Build:
     if fmt not in EXPERT_FORMATS:
         raise ValueError(f"experts: unknown format {fmt!r} (known: {', '.join(EXPERT_FORMATS)})")
-    return K2Build(tokens=tokens, nblocks=cfg.k2_nblocks(layer), eps=cfg.eps, out_eps=cfg.eps,
-                   ln_eps=cfg.eps, reset=cfg.is_block_write(layer), topk=cfg.topk,
+    if cfg.is_dense(layer):
+        raise ValueError(f"layer {layer}: a dense-MLP layer has no K2")
+    return K2Build(tokens=tokens, nblocks=cfg.k2_nblocks(layer), eps=cfg.norm_eps("mlp_eps"),
+                   out_eps=cfg.norm_eps("mlp_out_eps"), ln_eps=cfg.norm_eps("ln_eps"),
+                   reset=cfg.is_block_write(layer), topk=cfg.topk,
                    situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta, experts=fmt)
 
 

@@ -1,4 +1,5 @@
-"""Expert weight formats (DESIGN §7): E2M1 / E8M0 (MXFP4) and unsigned int4.
+"""Expert weight formats (DESIGN §7): E2M1 / E8M0 (MXFP4), unsigned int4, and the MXFP8
+(E4M3 / E8M0) activations of a8w4.
 
 Packed layout: two 4-bit codes per byte along the last dim, low nibble = even k.
 """
@@ -104,6 +105,47 @@ def mx_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return mx_dequant(codes, scale, x.dtype)
 
 
+E4M3_MAX = 448.0
+E4M3_EMAX = 8  # floor(log2(448))
+_E4M3_MIN_NORMAL_EXP = -6  # 2^-6; below it the E4M3 spacing is the subnormal 2^-9
+_E4M3_MANT = 3
+
+
+def mx8_scale_code(amax: torch.Tensor) -> torch.Tensor:
+    """E8M0 code of an MXFP8 (E4M3) block: OCP MX v1.0 §6.3, shared exponent
+    floor(log2(amax)) - emax(E4M3) = floor(log2(amax)) - 8, clamped to [0, 254]; amax = 0
+    (or below 2^-119) gives code 0. fp32 amax reads the exponent field; f64 (oracle) is exact."""
+    if amax.dtype == torch.float64:
+        _, e = torch.frexp(amax)  # amax = m·2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+        code = torch.where(amax > 0, e - 1 - E4M3_EMAX + 127, torch.zeros_like(e))
+        return code.clamp(0, 254).to(torch.uint8)
+    exp = (amax.float().view(torch.int32) >> 23) & 0xFF
+    return (exp - E4M3_EMAX).clamp(0, 254).to(torch.uint8)
+
+
+def e4m3_round(y: torch.Tensor) -> torch.Tensor:
+    """Nearest FP8 E4M3 (fn) value, ties to even, saturating at ±448 (dtype of y kept, exact:
+    the quantum is a power of two and y/quantum is rounded by torch.round, half to even)."""
+    a = y.abs()
+    _, e = torch.frexp(a)  # a = m·2^e: the binade of a is 2^(e-1)
+    q_exp = torch.clamp(e - 1, min=_E4M3_MIN_NORMAL_EXP) - _E4M3_MANT
+    quantum = torch.ldexp(torch.ones_like(a), q_exp)
+    r = torch.round(a / quantum) * quantum
+    return torch.copysign(torch.clamp(r, max=E4M3_MAX), y)
+
+
+def mx8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize an activation to MXFP8 (E4M3 elements, E8M0 scale per 32): the
+    a8w4 activation quant (dtype of x kept; every result is exact in fp32)."""
+    k = x.shape[-1]
+    if k % QBLOCK:
+        raise ValueError(f"a8w4: K={k} is not a multiple of {QBLOCK}")
+    xb = x.reshape(*x.shape[:-1], k // QBLOCK, QBLOCK)
+    code = mx8_scale_code(xb.abs().amax(-1)).to(xb.dtype).unsqueeze(-1)
+    scale = torch.exp2(code - 127.0)  # exact power of two
+    return (e4m3_round(xb * torch.exp2(127.0 - code)) * scale).reshape(x.shape)
+
+
 def int4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """Unsigned nibbles u with bf16 scales per 32: (u - 8)·scale, exact in fp32."""
     u = unpack_nibbles(packed).to(dtype) - 8.0
@@ -131,7 +173,7 @@ def dequant_experts(w: torch.Tensor, ws: torch.Tensor | None, fmt: str, dtype=to
     """Logical [E, N, K] values of an expert weight in any format."""
     if fmt == "bf16":
         return w.to(dtype)
-    if fmt == "mxfp4":
+    if fmt in ("mxfp4", "a8w4"):
         return mx_dequant(unpack_nibbles(w), ws, dtype)
     if fmt == "int4":
         return int4_dequant(w, ws, dtype)
@@ -142,7 +184,7 @@ def quantize_experts(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     """fp32 [E, N, K] -> (weights, scales) in the format's logical layout."""
     if fmt == "bf16":
         return w.to(torch.bfloat16), None
-    if fmt == "mxfp4":
+    if fmt in ("mxfp4", "a8w4"):
         codes, scale = mx_quant(w.float())
         return pack_nibbles(codes), scale
     if fmt == "int4":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ._num import Num
-from .quant import dequant_experts, mx_fake_quant
+from .quant import dequant_experts, mx8_fake_quant, mx_fake_quant
 from .shared_expert import situ
 
 
@@ -12,8 +12,9 @@ def routed_experts(lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
                    beta: float, lam: float, num: Num) -> torch.Tensor:
     """lat [S, LAT] bf16, ids/weights [S, K], w13 [E, 2RI, ·], w2 [E, LAT, ·] -> y [S, LAT].
 
-    Per pick: gemm1 -> SiTU -> gemm2 in fp32; mxfp4 quantizes lat and v per 32 (v never
-    bf16), int4/bf16 round v to bf16; contrib = bf(acc·w); y = bf(y + contrib) in pick order.
+    Per pick: gemm1 -> SiTU -> gemm2 in fp32; mxfp4 quantizes lat and v per 32 to MXFP4,
+    a8w4 to MXFP8 (E4M3), neither rounds v to bf16; int4/bf16 round v to bf16;
+    contrib = bf(acc·w); y = bf(y + contrib) in pick order.
     Only the distinct experts picked are dequantized.
     """
     S, K = ids.shape
@@ -21,14 +22,15 @@ def routed_experts(lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     W13 = dequant_experts(w13[uniq], None if w13s is None else w13s[uniq], fmt, num.dtype)  # [U, 2RI, LAT]
     W2 = dequant_experts(w2[uniq], None if w2s is None else w2s[uniq], fmt, num.dtype)  # [U, LAT, RI]
     ri = W13.shape[1] // 2
+    act_quant = {"mxfp4": mx_fake_quant, "a8w4": mx8_fake_quant}.get(fmt)
     a = num.f(lat)
-    if fmt == "mxfp4":
-        a = mx_fake_quant(a)
+    if act_quant is not None:
+        a = act_quant(a)
     # every pick's GEMMs at once (each pick is independent); picks in [S, K] order
     pick = inv.reshape(-1)
     gu = torch.einsum("sl,sknl->skn", a, W13[pick].reshape(S, K, 2 * ri, -1))
     v = situ(gu[..., :ri], gu[..., ri:], beta, lam)
-    v = mx_fake_quant(v) if fmt == "mxfp4" else num.f(num.bf(v))
+    v = act_quant(v) if act_quant is not None else num.f(num.bf(v))
     acc = torch.einsum("skr,sklr->skl", v, W2[pick].reshape(S, K, W2.shape[1], ri))
     contrib = num.f(num.bf(acc * num.f(weights)[..., None]))  # [S, K, LAT]
     y = torch.zeros(S, lat.shape[1], dtype=num.dtype, device=lat.device)
