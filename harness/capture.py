@@ -84,6 +84,8 @@ POISON_FINITE = -4242.0  # far from any real activation or state value; bf16 rou
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
     torch.int32, torch.int64, torch.bool)}
+KINDS = ("kda", "mla", "dense")
+K1_KINDS = ("kda", "dense")  # layers with a K1 launch (a dense layer has no K2)
 _SET_RE = re.compile(r"^s(\d+)_l(\d+)$")
 _RANK_RE = re.compile(r"^rank(\d+)\.safetensors$")
 
@@ -426,13 +428,14 @@ class StepRecord:
     layer: int
     rank: int
     world: int
-    kind: str  # kda | mla
+    kind: str  # kda | mla | dense
     fmt: str
-    k2_key: K2Build
-    k2_in: dict  # core, prefix, blocks
-    k2_weights: str  # weight address
+    k2_key: K2Build | None  # None for a dense layer (no K2)
+    k2_in: dict | None  # core, prefix, blocks
+    k2_weights: str | None  # weight address
     k2_after: dict | None = None
     k1_key: KdaPreBuild | None = None
+    dense_after: dict | None = None  # dense layer: {"out": MLP output (next layer's delta), "prefix"}
     k1_in: dict | None = None  # prefix, delta, blocks, conv_state, rstate (compact), st_idx (orig), num_acc
     k1_weights: str | None = None
     k1_after: dict | None = None
@@ -450,18 +453,21 @@ def write_capture(root, rec: StepRecord, producer_info: dict) -> Path:
     path = capture_path(root, rec.step, rec.layer, rec.rank)
     if path.exists():
         raise InputError("out", "a capture already exists here; nothing written over it", str(path))
-    if rec.kind not in ("kda", "mla"):
+    if rec.kind not in KINDS:
         raise ValueError(f"kind: {rec.kind!r}")
     groups = []
-    if rec.kind == "kda":
+    if rec.kind in K1_KINDS:
         groups += [("k1.in.", rec.k1_in), ("k1.after.", rec.k1_after)]
-    groups += [("k2.in.", rec.k2_in), ("k2.after.", rec.k2_after)]
+    if rec.kind == "dense":
+        groups += [("dense.after.", rec.dense_after)]
+    else:
+        groups += [("k2.in.", rec.k2_in), ("k2.after.", rec.k2_after)]
     named: list[tuple[str, torch.Tensor]] = []
     for prefix, d in groups:
         for n, t in (d or {}).items():
             if t is not None:
                 named.append((prefix + n, t.detach().cpu().contiguous()))
-    if rec.kind == "kda":
+    if rec.kind in K1_KINDS:
         named.append(("state.slot_map", rec.slot_map.to(torch.int64).cpu().contiguous()))
     entries, alias, data, seen = {}, {}, {}, {}
     for name, t in named:
@@ -481,7 +487,7 @@ def write_capture(root, rec: StepRecord, producer_info: dict) -> Path:
         "config": {"name": rec.cfg.name if rec.cfg else None,
                    "dims": rec.cfg.dims() if rec.cfg else (rec.dims or {})},
         "k1_key": key_to_dict(rec.k1_key) if rec.k1_key is not None else None,
-        "k2_key": key_to_dict(rec.k2_key),
+        "k2_key": key_to_dict(rec.k2_key) if rec.k2_key is not None else None,
         "experts": rec.fmt, "weight_layout": WEIGHT_LAYOUT,
         "producer": producer_info,
         "weights": {"k1": wref(rec.k1_weights), "k2": wref(rec.k2_weights)},
@@ -513,7 +519,7 @@ class Capture:
         return {n[len(prefix):]: t for n, t in self.tensors.items() if n.startswith(prefix)}
 
 
-_REQUIRED = {"layer": int, "kind": str, "step": int, "rank": int, "world": int, "config": dict, "k2_key": dict,
+_REQUIRED = {"layer": int, "kind": str, "step": int, "rank": int, "world": int, "config": dict,
              "experts": str, "weight_layout": str, "producer": dict, "weights": dict, "tensors": dict}
 
 
@@ -526,8 +532,10 @@ def load_capture(path: str | os.PathLike, verify: bool = True) -> Capture:
     for k, ty in _REQUIRED.items():
         if not isinstance(man.get(k), ty) or (ty is int and isinstance(man.get(k), bool)):
             raise InputError(f"manifest.{k}", f"missing or not a {ty.__name__}", where)
-    if man["kind"] not in ("kda", "mla"):
-        raise InputError("manifest.kind", f"{man['kind']!r} is neither kda nor mla", where)
+    if man["kind"] not in KINDS:
+        raise InputError("manifest.kind", f"{man['kind']!r} is not one of {', '.join(KINDS)}", where)
+    if man["kind"] != "dense" and not isinstance(man.get("k2_key"), dict):
+        raise InputError("manifest.k2_key", "missing or not a dict", where)
     if man["weight_layout"] != WEIGHT_LAYOUT:
         raise InputError("manifest.weight_layout", f"{man['weight_layout']!r}, this loader reads "
                                                    f"{WEIGHT_LAYOUT!r}", where)
@@ -630,7 +638,7 @@ class CaptureSet:
         compact: caches hold the carried slots only (slot i = slot_map[i]), st_idx remapped;
         full: caches of the original slot counts, st_idx as captured, other slots POISON_FINITE.
         """
-        if self.kind != "kda":
+        if self.kind not in K1_KINDS:
             raise InputError("kind", f"layer {self.layer} is an MLA layer: it has no K1 launch", str(self.path))
         cap = self.captures[rank]
         st = self._state(rank)
@@ -666,6 +674,8 @@ class CaptureSet:
 
     def k2_args(self, rank: int, device="cpu", poison: bool = True) -> dict:
         """Fresh K2 launch kwargs (ABI names + layer; the caller adds rank and comm), out poisoned."""
+        if self.kind == "dense":
+            raise InputError("kind", f"layer {self.layer} is a dense-MLP layer: it has no K2 launch", str(self.path))
         cap = self.captures[rank]
         g = cap.group("k2.in.")
         a = {n: g[n].to(device, copy=True) for n in K2_STATE}
@@ -677,13 +687,24 @@ class CaptureSet:
         a["layer"] = self.layer
         return {n: a[n] for n in abi.K2_NAMES if n not in ("rank", "comm")}
 
-    def k2_world_args(self, device="cpu") -> list[dict]:
+    def k2_world_args(self, device="cpu") -> list[dict] | None:
+        """Every rank's K2 args (None for a dense layer)."""
+        if self.kind == "dense":
+            return None
         return [self.k2_args(r, device) for r in self.ranks]
+
+    @property
+    def has_k1(self) -> bool:
+        return self.kind in K1_KINDS
+
+    @property
+    def has_k2(self) -> bool:
+        return self.kind != "dense"
 
     def after(self, rank: int, which: str) -> dict:
         """What the producer's kernel wrote: 'k1' (prefix, blocks, conv_state, rstate compact,
         core_out) or 'k2' (prefix, out, blocks). {} when the producer recorded none."""
-        if which not in ("k1", "k2"):
+        if which not in ("k1", "k2", "dense"):
             raise ValueError(f"which: {which!r}")
         return dict(self.captures[rank].group(f"{which}.after."))
 
@@ -693,7 +714,7 @@ class CaptureSet:
 
     def untouched(self, rank: int, layout: str = "compact") -> Untouched:
         """Slots/positions/rows the K1 launch must leave bit-identical (DESIGN §5 exactness)."""
-        if self.kind != "kda":
+        if self.kind not in K1_KINDS:
             raise InputError("kind", f"layer {self.layer} is an MLA layer: no K1 state", str(self.path))
         cap = self.captures[rank]
         g = cap.group("k1.in.")
@@ -825,29 +846,31 @@ def _validate(cs: CaptureSet, rank: int) -> None:
     where = cap.where
     m = cap.manifest
     cfg = cs.cfg
-    if m["experts"] != cs.k2_key.experts:
+    if cs.k2_key is not None and m["experts"] != cs.k2_key.experts:
         raise InputError("manifest.experts", f"{m['experts']!r} but k2_key.experts is {cs.k2_key.experts!r}", where)
     if cfg is not None and cfg.kind(cs.layer) != cs.kind:
         raise InputError("manifest.kind", f"{cs.kind} but config {cfg.name} makes layer {cs.layer} "
                                           f"{cfg.kind(cs.layer)}", where)
     if cfg is not None and cfg.world != cs.world:
         raise InputError("manifest.world", f"{cs.world} but config {cfg.name} is split for {cfg.world}", where)
-    need = {"k2.in.core", "k2.in.prefix", "k2.in.blocks"}
-    if cs.kind == "kda":
+    need = set() if cs.kind == "dense" else {"k2.in.core", "k2.in.prefix", "k2.in.blocks"}
+    if cs.kind in K1_KINDS:
         need |= {f"k1.in.{n}" for n in K1_STATE if n != "delta"} | {"state.slot_map"}
         if cs.k1_key is None or m["state"] is None or m["weights"].get("k1") is None:
             raise InputError("manifest.k1_key", "a KDA capture needs k1_key, state and k1 weights", where)
     for n in sorted(need - set(cap.tensors)):
         raise InputError(n, "missing", where)
     for which, names in (("k1", K1_WEIGHTS), ("k2", K2_WEIGHTS)):
-        if which == "k1" and cs.kind != "kda":
+        if (which == "k1" and cs.kind not in K1_KINDS) or (which == "k2" and cs.kind == "dense"):
             continue
         w = cs._weights[rank][which]
         for n in names:
             if n not in w and n not in ("w13s", "w2s"):
                 raise InputError(f"weights.{which}.{n}", "missing from the weight file", where)
-    if cs.kind == "kda":
+    if cs.kind in K1_KINDS:
         _validate_k1(cs, rank, cfg, where)
+    if cs.kind == "dense":
+        return
     try:
         args = cs.k2_args(rank)
         d = abi.check_args(abi.K2_ARGS, args, "exact", cs.fmt, check_finite=False)
@@ -953,7 +976,7 @@ def _validate_k1(cs: CaptureSet, rank: int, cfg: Config | None, where: str) -> N
     if cfg is not None:
         _dims_match(cfg, d, {"H": "hidden", "NH": "nh", "HD": "hd", "RK": "rank", "W": "conv", "NP": "nproj",
                              "C": "qkv", "NB": "nbmax"}, where)
-    if cs.k2_key.tokens != S:
+    if cs.k2_key is not None and cs.k2_key.tokens != S:
         raise InputError("k2_key.tokens", f"{cs.k2_key.tokens} but K1 has {S} tokens", where)
 
 

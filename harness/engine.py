@@ -37,14 +37,14 @@ EXTRA_SLOTS = 2  # poisoned cache slots appended past the capture's own
 class Step:
     id: str
     layer: int
-    kind: str  # "kda" | "mla"
+    kind: str  # "kda" | "mla" | "dense"
     step: int
     world: int
     fmt: str
     k1_key: object | None
     k2_key: object
     k1: list[dict] | None  # per rank, K1 inputs (None for MLA layers)
-    k2: list[dict]  # per rank, K2 inputs (for KDA layers core/prefix/blocks are replaced by K1's outputs)
+    k2: list[dict] | None  # per rank, K2 inputs (None for a dense layer) (for KDA layers core/prefix/blocks are replaced by K1's outputs)
     meta: dict = field(default_factory=dict)
 
 
@@ -154,10 +154,10 @@ def _run_side(step: Step, k1_in, k2_in, kda_pre, k2_launch, with_taps=True, forc
     t1 = [{} if with_taps else None for _ in range(step.world)]
     t2 = [{} if with_taps else None for _ in range(step.world)]
     k1 = None
-    if step.kind == "kda":
+    if step.k1 is not None:
         k1 = [clone_args(a) for a in k1_in]
         _k1_all(kda_pre, step.k1_key, k1, t1, **kw)
-    if k1_only:
+    if k1_only or step.k2 is None:
         return k1, None, t1, t2
     k2 = chain_k2(k1, k2_in)
     for r, (a, t) in enumerate(zip(k2, t2)):
@@ -187,30 +187,30 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
 
     W = step.world
     k1_in, masks = None, None
-    if step.kind == "kda":
+    if step.k1 is not None:
         prep = [prepare_k1(a, step.k1_key, seed * 1000 + r) for r, a in enumerate(step.k1)]
         k1_in, masks = [p[0] for p in prep], [p[1] for p in prep]
-    k2_in = [clone_args(a) for a in step.k2]
+    k2_in = None if step.k2 is None else [clone_args(a) for a in step.k2]
 
     # oracle (fp64), exact reference, backend — identical poisoned inputs
     o1_in = None if k1_in is None else [ref.upcast(a) for a in k1_in]
-    o2_in = [ref.upcast(a) for a in k2_in]
+    o2_in = None if k2_in is None else [ref.upcast(a) for a in k2_in]
     rk1, rk2, rt1, rt2 = _run_side(step, k1_in, k2_in, ref.kda_pre, ref.k2_launch)
     # the oracle takes the exact reference's routing: its comparisons measure numerics, while
     # the routing itself is judged on the oracle's keys below
-    ref_ids = [t["topk_ids"] for t in rt2]
+    ref_ids = None if rk2 is None else [t["topk_ids"] for t in rt2]
     ok1, ok2, ot1, ot2 = _run_side(step, o1_in, o2_in, ref.kda_pre, ref.k2_launch, force=ref_ids, mode="oracle")
     errors = []
     try:
         bk1, bk2, bt1, bt2 = _run_side(step, k1_in, k2_in, backend.kda_pre, backend.k2_launch)
     except Exception as e:  # K2 refused what K1 wrote (or K1 itself raised): judge what exists
-        if step.kind != "kda":
+        if step.k1 is None:
             raise
         errors.append(f"backend K2 failed after K1: {type(e).__name__}: {e}")
         bk1, bk2, bt1, bt2 = _run_side(step, k1_in, k2_in, backend.kda_pre, backend.k2_launch, k1_only=True)
 
-    missing = {"k1": [t for t in K1_TAPS if step.kind == "kda" and t not in bt1[0]],
-               "k2": [t for t in K2_TAPS if t not in bt2[0]]}
+    missing = {"k1": [t for t in K1_TAPS if step.k1 is not None and t not in bt1[0]],
+               "k2": [t for t in K2_TAPS if step.k2 is not None and t not in bt2[0]]}
 
     # routing rule
     routing, forced = {}, False
@@ -228,7 +228,7 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
 
     # noise: perturbed exact references
     nz = []
-    fid = [t["topk_ids"] for t in (bt2 if forced else rt2)]
+    fid = None if rk2 is None else [t["topk_ids"] for t in (bt2 if forced else rt2)]
     for s in range(1, noise + 1):
         nz.append(_run_side(step, k1_in, k2_in, ref.kda_pre, ref.k2_launch, force=fid, perturb=s))
 
@@ -239,7 +239,7 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
                           dims or name.split(".")[0], exact, note))
 
     for r in range(W):
-        if step.kind == "kda":
+        if step.k1 is not None:
             m = masks[r]
             nz1 = [n[0][r] for n in nz]
             nzt1 = [n[2][r] for n in nz]
@@ -283,7 +283,7 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
         nz2 = [n[1][r] for n in nz]
         nzt2 = [n[3][r] for n in nz]
         add("k2", "prefix", r, bk2[r]["prefix"], rk2[r]["prefix"], ok2[r]["prefix"], [n["prefix"] for n in nz2])
-        blocks_in = bk1[r]["blocks"] if step.kind == "kda" else k2_in[r]["blocks"]
+        blocks_in = bk1[r]["blocks"] if step.k1 is not None else k2_in[r]["blocks"]
         add("untouched", "k2_blocks", r, bk2[r]["blocks"], blocks_in, dims="blocks", exact=True)
         add("k2", "out", r, bk2[r]["out"], rk2[r]["out"], ok2[r]["out"], [n["out"] for n in nz2])
         if r > 0:
@@ -298,7 +298,7 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
                     [n[t] for n in nzt2 if t in n])
 
     if isolate:
-        if step.kind == "kda":
+        if step.k1 is not None:
             for r in range(W):
                 iso = k1_isolated(step.k1_key, k1_in[r], bt1[r])
                 for t, v in iso.items():
@@ -308,7 +308,7 @@ def run_step(step: Step, backend, *, isolate: bool = False, noise: int = 0, seed
         iso2 = k2_isolated(step.k2_key, k2_before, bt2) if k2_before is not None else [{} for _ in range(W)]
         for r in range(W):
             for t, v in iso2[r].items():
-                cand = bk2[r]["out"] if t == "out" else bt2[r].get(t)
+                cand = bk2[r][t] if t in ("out", "prefix") else bt2[r].get(t)
                 if cand is not None:
                     add("k2", t, r, cand, v, view="isolated")
     return StepRun(step, pairs, missing, routing, forced, errors)

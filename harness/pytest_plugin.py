@@ -1,11 +1,20 @@
 """pytest plugin (entry point `pytest11`): replay tests parametrized over a folder of
-captures, one GPU per xdist worker, the markers of DESIGN §10, seeds from test ids.
+captures and the backends under test, one GPU per xdist worker, the markers of DESIGN §10,
+seeds from test ids.
 
-    pytest -n 8 --captures golden/ [--backend triton] [--policy FILE]
+    pytest -n 8 [--captures DIR] [--backend auto|ref|triton|flydsl|pkg.mod:obj] [--policy FILE]
 
-Fixtures: `capture_set` (one capture-set folder per test id), `k3_backend` (skips with
-the backend's reason when it is not available), `k3_policy`, `k3_device`, `k3_seed`,
-`k3_replay` (replays one capture set and returns the judged results.Run).
+`--backend auto` (the default) tests the fused backends this node can run: Triton on a CUDA
+node, Triton and FlyDSL on a ROCm node, the reference itself on a machine with no GPU (the
+Triton interpret tier covers the twin there). `--captures` defaults to the golden set.
+
+Fixtures: `capture_set` (one capture-set folder per test id), `k3_backend` (the backend spec
+of this test; skips with the backend's reason when it is not available here, e.g. "no ROCm
+device"), `k3_policy`, `k3_device`, `k3_seed` (from the test id), `k3_replay` (replays one
+capture set with the test's seed and returns the judged results.Run).
+
+Bad options are usage errors (pytest exit code 4), never a green skip: a --captures folder
+that does not exist or holds no capture sets, a --backend that cannot be loaded.
 """
 from __future__ import annotations
 
@@ -32,7 +41,9 @@ def pytest_addoption(parser):
     g = parser.getgroup("k3verify")
     g.addoption("--captures", default=None, help="folder of capture sets to parametrize replay tests over "
                                                  "(default: the golden set)")
-    g.addoption("--backend", default="ref", help="backend under test: ref | triton | flydsl | package.module:object")
+    g.addoption("--backend", default="auto", help="backend(s) under test, comma-separated: auto (the fused backends "
+                                                  "of this node; the reference on a CPU-only machine) | ref | triton | "
+                                                  "flydsl | package.module:object")
     g.addoption("--policy", default=None, help="tolerance policy TOML (default golden/tolerances.toml)")
     g.addoption("--k3-device", default=None, help="torch device for replays (default: cuda if present, else cpu)")
 
@@ -81,29 +92,70 @@ def pytest_configure(config):
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     pin_worker_gpu()
+    config._k3_backends = backend_specs(config.getoption("--backend"))
+    opt = config.getoption("--captures")
+    config._k3_captures = capture_root(opt) if opt else None
+
+
+def auto_backends() -> list[str]:
+    """The fused backends a node can run, found without starting a device runtime early."""
+    if not gpu_ids():
+        return ["ref"]
+    if glob.glob("/sys/class/kfd/kfd/topology/nodes/*/gpu_id") and not glob.glob("/proc/driver/nvidia/gpus/*"):
+        return ["triton", "flydsl"]
+    return ["triton"]
+
+
+def backend_specs(opt: str) -> list[str]:
+    """--backend value -> backend specs; a spec that cannot be loaded is a usage error."""
+    from fast import BackendError, load_backend
+
+    specs = auto_backends() if opt == "auto" else [x.strip() for x in opt.split(",") if x.strip()]
+    if not specs:
+        raise pytest.UsageError(f"--backend: {opt!r} names no backend")
+    for spec in specs:
+        try:
+            load_backend(spec)
+        except BackendError as e:
+            raise pytest.UsageError(f"--backend: {str(e).split(': ', 1)[-1]}") from None
+    return specs
+
+
+def capture_root(opt: str) -> Path:
+    """--captures value -> folder; missing or empty is a usage error."""
+    from .capture import discover
+    from .errors import InputError
+
+    root = Path(opt)
+    if not root.exists():
+        raise pytest.UsageError(f"--captures: {root} does not exist")
+    try:
+        found = discover(root)
+    except InputError as e:
+        raise pytest.UsageError(f"--captures: {e}") from None
+    if not found:
+        raise pytest.UsageError(f"--captures: no capture sets under {root}")
+    return root
 
 
 def seed_of(nodeid: str) -> int:
     return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:4], "little")
 
 
-def _capture_ids(root: Path) -> list[Path]:
-    from .capture import discover
-
-    return discover(root) if root.exists() else []
-
-
 def pytest_generate_tests(metafunc):
     if "capture_set" not in metafunc.fixturenames:
         return
-    opt = metafunc.config.getoption("--captures")
-    root = Path(opt) if opt else GOLDEN
-    paths = _capture_ids(root)
-    if not paths:
-        metafunc.parametrize("capture_set", [pytest.param(None, marks=pytest.mark.skip(
-            reason=f"no capture sets under {root}"))], ids=["no-captures"])
-        return
+    from .capture import discover
+
+    cfg = metafunc.config
+    root = getattr(cfg, "_k3_captures", None) or GOLDEN
+    paths = discover(root)
+    if not paths:  # the golden set itself is missing: a broken checkout, not a skip
+        raise pytest.UsageError(f"no capture sets under {root} (run `k3verify golden regen`)")
     metafunc.parametrize("capture_set", paths, ids=[_test_id(p, root) for p in paths])
+    if "k3_backend" in metafunc.fixturenames:
+        specs = getattr(cfg, "_k3_backends", None) or ["ref"]
+        metafunc.parametrize("k3_backend", specs, ids=[f"backend={s}" for s in specs], indirect=True)
 
 
 def _test_id(p: Path, root: Path) -> str:
@@ -127,14 +179,12 @@ def k3_device(request) -> str:
 
 @pytest.fixture
 def k3_backend(request):
-    from fast import BackendError, available, load_backend
+    """The backend spec under test (parametrized by --backend); skips only when the backend is
+    unavailable here for a stated reason."""
+    from fast import available, load_backend
 
-    spec = request.config.getoption("--backend")
-    try:
-        b = load_backend(spec)
-    except BackendError as e:
-        pytest.skip(str(e))
-    ok, why = available(b)
+    spec = getattr(request, "param", None) or (getattr(request.config, "_k3_backends", None) or ["ref"])[0]
+    ok, why = available(load_backend(spec))
     if not ok:
         pytest.skip(f"backend {spec}: {why}")
     return spec
@@ -146,10 +196,12 @@ def k3_policy(request):
 
 
 @pytest.fixture
-def k3_replay(k3_backend, k3_policy, k3_device):
+def k3_replay(k3_backend, k3_policy, k3_device, k3_seed):
+    """replay(capture_set, **kw) -> results.Run through the test's backend, poisons seeded by the test id."""
     from .replay import replay
 
     def run(capture_set, **kw):
+        kw.setdefault("seed", k3_seed)
         return replay([capture_set], k3_backend, k3_device, k3_policy, progress=False, **kw)
 
     return run

@@ -25,7 +25,7 @@ from .errors import InputError
 def step_from_set(cs, device) -> Step:
     """A capture set (harness.capture.CaptureSet) as the engine's Step, tensors on `device`."""
     k1 = None
-    if cs.kind == "kda":
+    if cs.has_k1:
         k1 = [cs.k1_args(r, device, layout="compact", poison=False) for r in cs.ranks]
     k2 = cs.k2_world_args(device)
     return Step(cs.name, cs.layer, cs.kind, cs.step, cs.world, cs.fmt, cs.k1_key, cs.k2_key, k1, k2,
@@ -60,8 +60,10 @@ def resolve_device(device: str | None) -> str:
 
 
 def replay(captures, backend_spec: str = "ref", device: str | None = None, policy_path=None, isolate=False,
-           noise: int = 0, progress: bool = True, limit: int | None = None):
-    """Replay every capture set under `captures` (a folder, or a list of set folders)."""
+           noise: int = 0, progress: bool = True, limit: int | None = None, seed: int = 0):
+    """Replay every capture set under `captures` (a folder, or a list of set folders).
+
+    seed: the poisons of set i are drawn from seed + i (the pytest plugin passes the test id's)."""
     from fast import available, backend_name, load_backend, BackendError
 
     from .capture import discover, load_set
@@ -106,7 +108,7 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
         cap.timings["load"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            sr = run_step(step, backend, isolate=isolate, noise=noise, seed=i,
+            sr = run_step(step, backend, isolate=isolate, noise=noise, seed=seed + i,
                           tie_eps=policy.tie_eps(cs.fmt))
         except Exception as e:  # a backend that raises fails its capture, the run goes on
             cap.errors.append(f"{type(e).__name__}: {e}")

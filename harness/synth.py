@@ -8,6 +8,8 @@ delta) and flow through every layer of the stack:
 
 - KDA layer: `ref.kda_pre` on every rank (rank-local heads, replicated carry), then
   `ref.k2_world` on K1's `core_out`;
+- dense layer (layer 0): `ref.kda_pre`, then the dense MLP's stand-in (`dense_mlp`: o_proj
+  all-reduce, prefix update, MLP AttnRes + norm, a fixed random projection); no K2;
 - MLA layer: the reference's K1 steps 1–3 (pending delta add, block write, AttnRes,
   input norm) stand in for vLLM's AttnRes op, then `core = bf16(x @ mla_proj^T)` per
   rank (`ref.synth.mla_proj`), then `ref.k2_world`;
@@ -98,7 +100,24 @@ def _mla_pre(prefix, delta, blocks, w, layer: int, cfg: Config, num: Num):
     if wi >= 0:
         blocks[:, wi] = prefix
     mixed = attnres(sources(blocks, cfg.k1_nblocks(layer), prefix), w["ares_nw"], w["ares_qk"], cfg.eps, num)
-    return rmsnorm(mixed, w["in_nw"], cfg.eps, num)
+    return rmsnorm(mixed, w["in_nw"], cfg.norm_eps("out_eps"), num)
+
+
+def dense_mlp(cfg: Config, layer: int, cores, prefix, blocks, w, num: Num):
+    """The dense layer after K1 (outside the fused path, DESIGN §3): o_proj and its rank-order
+    all-reduce, the prefix update, the MLP AttnRes and post-attention norm, then a fixed random
+    projection standing in for the dense SiTU MLP. prefix is updated in place; returns the MLP
+    output (the next layer's pending delta). w: per-rank `ref.synth.dense_weights`."""
+    from ref.comm import ordered_sum
+    from ref.o_proj import o_proj_partial
+
+    delta = num.bf(ordered_sum([o_proj_partial(c, wr["w_o"], num) for c, wr in zip(cores, w)]))
+    prefix.copy_(delta if cfg.is_block_write(layer) else num.bf(num.f(prefix) + num.f(delta)))
+    mixed = attnres(sources(blocks, cfg.k2_nblocks(layer), prefix), w[0]["ares_nw"], w[0]["ares_qk"],
+                    cfg.norm_eps("mlp_eps"), num)
+    x = rmsnorm(mixed, w[0]["in_nw"], cfg.norm_eps("mlp_out_eps"), num)
+    # one rounding after the fp32 GEMM, as a projection's output
+    return num.bf(num.mm(x, w[0]["w_dense"]))
 
 
 class _LayerState:
@@ -108,9 +127,10 @@ class _LayerState:
                  state_len: int):
         self.kind = cfg.kind(layer)
         self.k1, self.k2, self.addr1, self.addr2, self.mla, self.conv, self.rstate = ([] for _ in range(7))
+        self.dense = []
         for r in range(cfg.world):
             w1 = rsynth.k1_weights(cfg, layer, r, seed, device)
-            if self.kind == "kda":
+            if self.kind in cap.K1_KINDS:
                 self.addr1.append(cap.store_weights(root, w1))
                 self.k1.append(self._mapped(root, self.addr1[-1], device))
                 g = rsynth.gen("cpu", seed, "synth-caches", layer, r)
@@ -121,6 +141,9 @@ class _LayerState:
                 self.k1.append({n: w1[n] for n in ("ares_nw", "ares_qk", "in_nw")})
                 self.mla.append(rsynth.mla_proj(cfg, layer, r, seed, device))
             del w1
+            if self.kind == "dense":
+                self.dense.append(rsynth.dense_weights(cfg, layer, r, seed, device))
+                continue
             w2 = rsynth.k2_weights(cfg, layer, r, fmt, seed, device)
             self.addr2.append(cap.store_weights(root, w2))
             del w2
@@ -197,11 +220,12 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
                 bar.set_postfix_str(f"weights of layer {i}")
                 state[i] = _LayerState(out, cfg, i, experts, seed, dev, total, state_len)
             ls = state[i]
-            k2key = k2_build(cfg, i, S, experts)
+            k2key = None if ls.kind == "dense" else k2_build(cfg, i, S, experts)
             recs = [cap.StepRecord(step=t, layer=i, rank=r, world=cfg.world, kind=ls.kind, fmt=experts,
-                                   k2_key=k2key, k2_in={}, k2_weights=ls.addr2[r], cfg=cfg, meta=meta)
+                                   k2_key=k2key, k2_in=None, k2_weights=ls.addr2[r] if ls.addr2 else None, cfg=cfg,
+                                   meta=meta)
                     for r in range(cfg.world)]
-            if ls.kind == "kda":
+            if ls.kind in cap.K1_KINDS:
                 k1key = k1_build(cfg, i, S, L, delta is not None, state_len)
                 cores = []
                 for r, rec in enumerate(recs):
@@ -225,6 +249,15 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
                 x = _mla_pre(prefix, delta, blocks, ls.k1[0], i, cfg, num)
                 # o_proj input of the stand-in attention: one bf16 rounding after the fp32 GEMM
                 cores = [num.bf(num.mm(x, ls.mla[r])) for r in range(cfg.world)]
+            if ls.kind == "dense":
+                prefix = prefix.clone()
+                mlp_out = dense_mlp(cfg, i, cores, prefix, blocks, ls.dense, num)
+                for rec in recs:
+                    rec.dense_after = dict(prefix=prefix, out=mlp_out)
+                    written.append(cap.write_capture(out, rec, prod))
+                delta = mlp_out
+                bar.update(1)
+                continue
             ranks = [dict(core=cores[r].clone(), prefix=prefix.clone(), blocks=blocks.clone(),
                           out=cap.poison_(torch.empty(S, cfg.hidden, dtype=BF16, device=dev)), layer=i, **ls.k2[r])
                      for r in range(cfg.world)]

@@ -16,6 +16,7 @@ from .quant import quantize_experts
 BF16, F32 = torch.bfloat16, torch.float32
 UNIT_RI = 32  # routed/shared intermediate rows per unit (one quant block)
 UNIT_UP = 16  # w_up rows per unit
+QUIET = 1e-3  # rms of the quiet token's carry (ref.synth.carry)
 
 
 def seed_of(*parts) -> int:
@@ -76,6 +77,20 @@ def mla_proj(cfg: Config, layer: int, rank: int, seed: int = 0, device="cpu") ->
     heads = range(rank * cfg.nh, (rank + 1) * cfg.nh)
     return torch.cat([_randn((cfg.hd, cfg.hidden), gen(device, seed, layer, "mla", h), device,
                              cfg.hidden ** -0.5) for h in heads]).to(BF16)
+
+
+def dense_weights(cfg: Config, layer: int, rank: int, seed: int = 0, device="cpu") -> dict:
+    """Weights of the dense layer's stand-in (DESIGN §3): this rank's o_proj columns, the MLP
+    AttnRes and post-attention norm, and a fixed random [H, H] projection for the dense MLP."""
+    H, HD = cfg.hidden, cfg.hd
+    tag = (seed, layer, "dense")
+    rep = lambda name, shape, std, mean=0.0: _randn(shape, gen(device, *tag, name), device, std, mean)  # noqa: E731
+    heads = range(rank * cfg.nh, (rank + 1) * cfg.nh)
+    w_o = torch.cat([_randn((H, HD), gen(device, *tag, "wo", h), device, (cfg.nh * cfg.world * HD) ** -0.5)
+                     for h in heads], dim=1)
+    return dict(w_o=w_o.to(BF16), ares_nw=rep("ares_nw", (H,), 0.05, 1.0).to(BF16),
+                ares_qk=rep("ares_qk", (H,), 1.5 * H ** -0.5).to(BF16), in_nw=rep("in_nw", (H,), 0.05, 1.0).to(BF16),
+                w_dense=rep("w_dense", (H, H), H ** -0.5).to(BF16))
 
 
 def k2_weights(cfg: Config, layer: int, rank: int, fmt: str, seed: int = 0, device="cpu") -> dict:
@@ -145,6 +160,12 @@ def carry(cfg: Config, S: int, layer: int, g: torch.Generator, device="cpu", wit
         blocks[:, b] = hidden_like((S, H), g, device, std=1.0 + 0.5 * b, massive=(2, 20.0))
     prefix = hidden_like((S, H), g, device, std=1.5, massive=(2, 10.0))
     delta = hidden_like((S, H), g, device, std=0.5, massive=(0, 0.0)) if with_delta else None
+    # token 0 is quiet (rms 1e-3, no massive channels): mean(v²) ~ 1e-6 sits below every
+    # norm's eps, so a kernel that reads the wrong eps field changes its outputs
+    blocks[0] = (torch.randn(NB, H, generator=g) * QUIET).to(BF16).to(device)
+    prefix[0] = (torch.randn(H, generator=g) * QUIET).to(BF16).to(device)
+    if delta is not None:
+        delta[0] = (torch.randn(H, generator=g) * QUIET).to(BF16).to(device)
     return prefix, blocks, delta
 
 

@@ -32,6 +32,22 @@ def seed_from(nodeid: str) -> int:
     return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
+def pytest_configure(config):
+    """K3VERIFY_REQUIRE_FLYDSL=1 (set by .ci/run): the FlyDSL compile tier must run, so a missing
+    flydsl or ld.lld is an error, not a skipped tier."""
+    import os
+
+    if os.environ.get("K3VERIFY_REQUIRE_FLYDSL") == "1":
+        try:
+            from fast.flydsl import toolchain
+
+            ok, why = toolchain.compile_ready()
+        except ImportError as e:
+            ok, why = False, f"flydsl not importable ({e})"
+        if not ok:
+            raise pytest.UsageError(f"K3VERIFY_REQUIRE_FLYDSL=1 but the flydsl_compile tier cannot run: {why}")
+
+
 @pytest.fixture
 def seed(request) -> int:
     return seed_from(request.node.nodeid)
