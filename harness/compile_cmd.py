@@ -37,9 +37,10 @@ def builds(cfg, tokens: int, qlen: int, fmts: tuple[str, ...]):
     seen, out = set(), []
     for i in range(cfg.layers):
         keys = []
-        if not cfg.is_mla(i):
+        if cfg.has_k1(i):
             keys.append((k1_build(cfg, i, tokens, qlen, i > 0, d1["SL"]), d1))
-        keys += [(k2_build(cfg, i, tokens, f), d2) for f in fmts]
+        if cfg.has_k2(i):  # the dense layer 0 runs no K2
+            keys += [(k2_build(cfg, i, tokens, f), d2) for f in fmts]
         for k, d in keys:
             if k not in seen:
                 seen.add(k)

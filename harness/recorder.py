@@ -112,6 +112,16 @@ class Recorder:
         after["rstate"] = cap.compact_cache(kw["rstate"], smap)
         rec = _K1(key, inp, after, {n: kw.get(n) for n in cap.K1_WEIGHTS}, smap, kw["conv_state"].shape[0],
                   kw["rstate"].shape[0], cap.conv_layout_of(kw["conv_state"]), cap.tensor_sha256(kw["core_out"]))
+        if self.cfg is not None and self.cfg.is_dense(layer):
+            # no K2 follows on a dense layer: the ranks of one step call K1 in rank order
+            with self._lock:
+                n = self._k2_count.get((layer, -1), 0)
+                self._k2_count[(layer, -1)] = n + 1
+                world = self.cfg.world
+                step = self._step if self._step is not None else n // world
+                if _want(self.steps, step):
+                    self._record(step, layer, n % world, world, None, None, None, None, rec)
+            return res
         with self._lock:
             q = self._pending.setdefault(layer, [])
             q.append(rec)
@@ -157,17 +167,17 @@ class Recorder:
             print(f"k3verify recorder: {msg}", file=sys.stderr)
 
     def _record(self, step, layer, rank, world, key, inp, after, weights, k1: _K1 | None) -> None:
-        kind = "kda" if k1 is not None else "mla"
+        kind = "dense" if key is None else "kda" if k1 is not None else "mla"
         if self.cfg is not None and self.cfg.kind(layer) != kind:
             self._warn(f"step {step} layer {layer} rank {rank}: config says {self.cfg.kind(layer)}, "
                        f"recorded a {kind} launch sequence; not written")
             self.skipped += 1
             return
-        tensors = list(inp.values()) + list(after.values())
+        tensors = list((inp or {}).values()) + list((after or {}).values())
         if k1 is not None:
             tensors += list(k1.inp.values()) + list(k1.after.values())
         est = sum(t.numel() * t.element_size() for t in tensors if t is not None) + 16384
-        wsets = [weights] + ([k1.weights] if k1 is not None else [])
+        wsets = ([weights] if weights is not None else []) + ([k1.weights] if k1 is not None else [])
         new_w = 0
         entries = [self._hasher.entries(w) for w in wsets]
         addrs = [cap.weights_address(e) for e in entries]
@@ -190,11 +200,12 @@ class Recorder:
         dev = next(t.device for t in tensors if t is not None)
         if self._producer is None:
             self._producer = cap.producer(self._tool, dev, git=self._git)
-        rec = cap.StepRecord(step=step, layer=layer, rank=rank, world=world, kind=kind, fmt=key.experts,
-                             k2_key=key, k2_in=inp, k2_weights=addrs[0], k2_after=after, cfg=self.cfg,
+        rec = cap.StepRecord(step=step, layer=layer, rank=rank, world=world, kind=kind,
+                             fmt=key.experts if key is not None else "bf16", k2_key=key, k2_in=inp,
+                             k2_weights=addrs[0] if weights is not None else None, k2_after=after, cfg=self.cfg,
                              dims=None if self.cfg else _dims(inp, weights, k1), meta={"recorder": {}})
         if k1 is not None:
-            rec.k1_key, rec.k1_in, rec.k1_after, rec.k1_weights = k1.key, k1.inp, k1.after, addrs[1]
+            rec.k1_key, rec.k1_in, rec.k1_after, rec.k1_weights = k1.key, k1.inp, k1.after, addrs[-1]
             rec.slot_map, rec.conv_slots, rec.rec_slots = k1.slot_map, k1.conv_slots, k1.rec_slots
             rec.conv_layout = k1.conv_layout
         path = cap.write_capture(self.out, rec, self._producer)

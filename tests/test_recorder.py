@@ -48,21 +48,26 @@ def test_record_and_replay(tmp_path):
         # what the recorder saw is what the generator wrote (two independent bookkeepings)
         for r in rs.ranks:
             for n, t in gs.captures[r].tensors.items():
+                if n.startswith("dense.after."):  # the dense MLP runs outside the fused launches
+                    assert rs.kind == "dense" and n not in rs.captures[r].tensors
+                    continue
                 assert bits_equal(rs.captures[r].tensors[n], t), (rp.name, r, n)
         # replay the recording through the reference
-        if rs.kind == "kda":
+        if rs.has_k1:
             for r in rs.ranks:
                 a = rs.k1_args(r)
                 ref.kda_pre(rs.k1_key, **a)
                 for n, want in rs.after(r, "k1").items():
                     assert bits_equal(a[n], want), (rp.name, r, n)
+        if not rs.has_k2:
+            continue
         ranks = rs.k2_world_args()
         ref.k2_world(rs.k2_key, ranks)
         for r in rs.ranks:
             for n, want in rs.after(r, "k2").items():
                 assert bits_equal(ranks[r][n], want), (rp.name, r, n)
-    # weights are stored once per (layer, rank, kernel), shared by both steps
-    assert len(list((tmp_path / "rec" / "weights").glob("*.safetensors"))) == 4 * 2 + 3 * 2
+    # weights are stored once per (layer, rank, kernel), shared by both steps: K2 of layers 1-3, K1 of 0-2
+    assert len(list((tmp_path / "rec" / "weights").glob("*.safetensors"))) == 3 * 2 + 3 * 2
 
 
 def test_filter_and_budget(tmp_path):
