@@ -11,6 +11,7 @@ BUILTIN = {
     "ref": "fast.ref_backend:BACKEND",
     "triton": "fast.triton:BACKEND",
     "flydsl": "fast.flydsl:BACKEND",
+    "vllm-mono": "fast.vllm_mono:BACKEND",
 }
 
 
