@@ -178,7 +178,7 @@ class Recorder:
         self._journals: dict[int, object] = {}
         self._step: int | None = None
         self.written: list[Path] = []
-        self.skipped: dict[str, int] = {}
+        self._skips: dict[int | None, dict[str, int]] = {}  # rank -> reason -> launches not recorded
         self.warnings: list[str] = []
         self._warned: set[str] = set()
         self._refused: set[tuple] = set()
@@ -197,6 +197,19 @@ class Recorder:
             return self._fwd[rank].step
 
     @property
+    def skipped(self) -> dict:
+        """reason -> launches not recorded, every rank together."""
+        out: dict[str, int] = {}
+        for by in self._skips.values():
+            for k, v in by.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def _count(self, rank, reason: str) -> None:
+        by = self._skips.setdefault(rank, {})
+        by[reason] = by.get(reason, 0) + 1
+
+    @property
     def used(self) -> int:
         return sum(b.used for b in self._budgets.values())
 
@@ -205,7 +218,7 @@ class Recorder:
             dropped = sum(len(v) for v in self._pending.values())
             self._pending.clear()
             for r, j in self._journals.items():
-                self._event(r, "close", skipped=dict(self.skipped), unpaired_k1=dropped)
+                self._event(r, "close", skipped=dict(self._skips.get(r, {})), unpaired_k1=dropped)
                 j.close()
             self._journals.clear()
         return {"written": len(self.written), "sets": len({p.parent for p in self.written}),
@@ -224,10 +237,10 @@ class Recorder:
                               rank=kw.get("rank", 0), world=int(getattr(comm, "world", 1)))
 
     # ---- recording around a launch
-    def skip(self, reason: str, warn: str | None = None):
+    def skip(self, reason: str, warn: str | None = None, rank: int | None = None):
         """Count a launch not recorded for a benign reason (once-per-reason warning if given)."""
         with self._lock:
-            self.skipped[reason] = self.skipped.get(reason, 0) + 1
+            self._count(rank, reason)
             if warn and reason not in self._warned:
                 self._warned.add(reason)
                 self._warn(warn)
@@ -242,7 +255,7 @@ class Recorder:
             self._refuse(kernel, layer, rank, reason, step)
 
     def _refuse(self, kernel: str, layer, rank, reason: str, step=None) -> None:
-        self.skipped["refused"] = self.skipped.get("refused", 0) + 1
+        self._count(rank, "refused")
         k = (kernel, layer, rank, reason)
         if k in self._refused:
             return
@@ -279,10 +292,10 @@ class Recorder:
         with self._lock:
             step, why = self._step_of("k1", layer, rank) if rank is not None else (self._step, None)
         if why is not None:
-            self.skip(why, "a launch outside an eager forward (CUDA-graph capture or replay) is not recorded")
+            self.skip(why, "a launch outside an eager forward (CUDA-graph capture or replay) is not recorded", rank)
             return launch()
         if step is not None and not _want(self.steps, step):
-            self.skip("filtered")
+            self.skip("filtered", rank=rank)
             return launch()
         st_idx = args["st_idx"]
         smap = cap.slot_map_for(st_idx, key.qlen)
@@ -327,7 +340,7 @@ class Recorder:
             if why != "graph":
                 self._pop_k1(layer, rank, step, cap.tensor_sha256(args["core"]))
             self.skip(why, "a launch outside an eager forward (CUDA-graph capture or replay) is not recorded"
-                      if why == "graph" else None)
+                      if why == "graph" else None, rank)
             return launch()
         core_sha = cap.tensor_sha256(args["core"])
         inp = {n: _clone(args[n]) for n in cap.K2_STATE}
@@ -400,7 +413,7 @@ class Recorder:
             return True, b
         b.stopped = True
         if b.files:  # mid-step: the step is dropped whole
-            removed = [str(p.relative_to(self.out)) for p in b.files]
+            removed = [str(p.relative_to(self._root(rank))) for p in b.files]
             for p in b.files:
                 p.unlink(missing_ok=True)
                 self.written.remove(p)
@@ -426,7 +439,7 @@ class Recorder:
         if self.cfg is not None and self.cfg.kind(layer) != kind:
             if self.cfg.kind(layer) == "kda" and kind == "mla":
                 reason = "K2 without its K1 (the K1 ran another path, e.g. vLLM's original one)"
-                self.skipped["k2_without_k1"] = self.skipped.get("k2_without_k1", 0) + 1
+                self._count(rank, "k2_without_k1")
                 if reason not in self._warned:
                     self._warned.add(reason)
                     self._warn(f"step {step} layer {layer} rank {rank}: {reason}; not recorded")
@@ -452,7 +465,7 @@ class Recorder:
         new_w = sum(r[2] for r in refs)
         ok, b = self._account(rank, step, est + new_w)
         if not ok:
-            self.skipped["budget"] = self.skipped.get("budget", 0) + 1
+            self._count(rank, "budget")
             return
         for _, addr, _, commit in refs:
             commit()

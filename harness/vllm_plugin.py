@@ -315,13 +315,14 @@ def _guard(fn):
 @_guard
 def _record_k1(launch, key, **kw):
     from fast.vllm_mono import abi as vm
+    from ref.abi import ArgError
 
     rec = _recorder()
     rank, world = worker_rank()
     slot = kw.get("layer")
     try:
         layer = vm.model_layer("k1", slot)
-    except InputError as e:
+    except (ArgError, InputError) as e:
         rec.refuse("k1", slot, rank, str(e))
         return launch()
     if not rec.wants(layer):
@@ -329,7 +330,7 @@ def _record_k1(launch, key, **kw):
     try:
         k3key, extra = vm.k1_key_from_real(key)
         args = vm.k1_from_real(k3key, kw)
-    except InputError as e:
+    except (ArgError, InputError) as e:
         rec.refuse("k1", layer, rank, str(e))
         return launch()
     return rec.record_k1(k3key, args, launch, layer=layer, rank=rank, meta={"k1_key": extra} if extra else None)
@@ -338,13 +339,14 @@ def _record_k1(launch, key, **kw):
 @_guard
 def _record_k2(launch, key, **kw):
     from fast.vllm_mono import abi as vm
+    from ref.abi import ArgError
 
     rec = _recorder()
     rank, world = worker_rank()
     slot = kw.get("layer")
     try:
         layer = vm.model_layer("k2", slot)
-    except InputError as e:
+    except (ArgError, InputError) as e:
         rec.refuse("k2", slot, rank, str(e))
         return launch()
     if not rec.wants(layer):
@@ -357,7 +359,7 @@ def _record_k2(launch, key, **kw):
         fmt = vm.expert_format(kw["w13"], kw.get("w13s"))
         k3key, extra = vm.k2_key_from_real(key, cfg.topk, cfg.situ_beta, cfg.situ_linear_beta, fmt)
         args = vm.k2_from_real(kw)
-    except InputError as e:
+    except (ArgError, InputError) as e:
         rec.refuse("k2", layer, rank, str(e))
         return launch()
     return rec.record_k2(k3key, args, launch, layer=layer, rank=rank, world=world,

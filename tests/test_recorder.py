@@ -38,6 +38,7 @@ def test_record_and_replay(tmp_path):
     gen_sets = drive(tmp_path / "gen", rec)
     summary = rec.close()
     assert summary["skipped"] == 0 and summary["unpaired_k1"] == 0 and summary["warnings"] == []
+    assert not list((tmp_path / "rec").glob("**/journal.jsonl"))  # in-process sets: no per-rank journal
     rec_sets = cap.discover(tmp_path / "rec")
     assert [p.name for p in rec_sets] == [p.name for p in gen_sets]
     for rp, gp in zip(rec_sets, gen_sets):
@@ -77,16 +78,29 @@ def test_filter_and_budget(tmp_path):
     assert [p.name for p in cap.discover(tmp_path / "f")] == ["s00001_l001", "s00001_l003"]
     assert not (tmp_path / "f" / "s00000_l001").exists()
 
-    # a budget for about two sets: the rest is skipped whole, never a partial set
-    one = sum(p.stat().st_size for p in (tmp_path / "f").rglob("*.safetensors"))
-    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "b", budget_bytes=int(one * 1.5), cfg=TINY, quiet=True)
+    # steps are recorded whole: a budget one byte short of both steps stops before step 1 (a step
+    # the size of step 0 would not fit), never leaving a partial step
+    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "w", budget_bytes=1 << 30, cfg=TINY, quiet=True)
     drive(tmp_path / "g2", rec)
+    full = rec.close()
+    step0 = sum(1 for p in rec.written if p.parent.name.startswith("s00000"))
+    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "b", budget_bytes=full["bytes"] - 1, cfg=TINY,
+                   quiet=True)
+    drive(tmp_path / "g3", rec)
     s = rec.close()
     sets = cap.discover(tmp_path / "b")
-    assert 1 <= len(sets) < 8 and s["skipped"] > 0 and s["bytes"] <= int(one * 1.5)
+    assert [p.name for p in sets] == [f"s00000_l{i:03d}" for i in range(4)] and len(rec.written) == step0
     for p in sets:
         cap.load_set(p)  # complete and valid
-    assert any("budget" in w for w in s["warnings"])
+    assert s["skipped_by_reason"] == {"budget": 8} and any("stopped before step 1" in w for w in s["warnings"])
+
+    # a budget that breaks step 0 in the middle: what was written of it is removed, the drop is said
+    rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "m", budget_bytes=full["bytes"] // 4, cfg=TINY,
+                   quiet=True)
+    drive(tmp_path / "g4", rec)
+    s = rec.close()
+    assert not list((tmp_path / "m").rglob("rank*.safetensors")) and s["written"] == 0
+    assert any("exceeded mid-step: step 0 dropped whole" in w for w in s["warnings"])
 
 
 def test_records_transposed_cache_with_spare_slots(tmp_path, rng):

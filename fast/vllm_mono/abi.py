@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-from harness.errors import InputError
+from ref.abi import ArgError
 from ref.config import EXPERT_FORMATS, K2Build, KdaPreBuild
 
 K1_ABI = ("prefix", "delta", "blocks", "blk_sm", "blk_sr", "ares_nw", "ares_qk", "in_nw", "w_in", "w_fb",
@@ -67,7 +67,7 @@ def key_fields(key) -> dict:
     """Field -> value of a build key (a dataclass, as the real ones are)."""
     if dataclasses.is_dataclass(key) and not isinstance(key, type):
         return {f.name: getattr(key, f.name) for f in dataclasses.fields(key)}
-    raise InputError("key", f"{type(key).__name__} is not a dataclass build key")
+    raise ArgError("key", f"{type(key).__name__} is not a dataclass build key")
 
 
 def _split(kernel: str, real: dict, shared, extra: dict) -> dict:
@@ -76,15 +76,15 @@ def _split(kernel: str, real: dict, shared, extra: dict) -> dict:
     cls = "KdaPreBuild" if kernel == "k1" else "K2Build"
     for name, v in real.items():
         if name not in shared and name not in extra:
-            raise InputError(f"{kernel}_key.{name}", f"unknown {cls} field (= {v!r}): k3verify cannot tell whether "
+            raise ArgError(f"{kernel}_key.{name}", f"unknown {cls} field (= {v!r}): k3verify cannot tell whether "
                                                      "it changes what the kernel computes; update fast/vllm_mono/abi.py")
     missing = [n for n in shared if n not in real]
     if missing:
-        raise InputError(f"{kernel}_key.{missing[0]}", f"{cls} has no field {missing[0]!r}: not the ABI "
+        raise ArgError(f"{kernel}_key.{missing[0]}", f"{cls} has no field {missing[0]!r}: not the ABI "
                                                        "fast/vllm_mono/abi.py maps")
     for name, (neutral, math) in extra.items():
         if math and name in real and real[name] != neutral:
-            raise InputError(f"{kernel}_key.{name}", f"{real[name]!r}: {_WHY[name]}; only {neutral!r} is recorded")
+            raise ArgError(f"{kernel}_key.{name}", f"{real[name]!r}: {_WHY[name]}; only {neutral!r} is recorded")
     return {n: real[n] for n in extra if n in real}
 
 
@@ -100,7 +100,7 @@ def k2_key_from_real(real, topk: int, situ_beta: float, situ_linear_beta: float,
     f = key_fields(real)
     extra = _split("k2", f, _K2_SHARED, K2_EXTRA)
     if experts not in EXPERT_FORMATS:
-        raise InputError("k2_key.experts", f"{experts!r} not in {', '.join(EXPERT_FORMATS)}")
+        raise ArgError("k2_key.experts", f"{experts!r} not in {', '.join(EXPERT_FORMATS)}")
     return K2Build(**{n: f[n] for n in _K2_SHARED}, topk=int(topk), situ_beta=float(situ_beta),
                    situ_linear_beta=float(situ_linear_beta), experts=experts), extra
 
@@ -137,7 +137,7 @@ def expert_format(w13: torch.Tensor, w13s: torch.Tensor | None) -> str:
         return "mxfp4"
     if w13.dtype == torch.uint8 and w13s is not None and w13s.dtype == torch.bfloat16:
         return "int4"
-    raise InputError("weights.k2.w13", f"w13 {w13.dtype} with scales "
+    raise ArgError("weights.k2.w13", f"w13 {w13.dtype} with scales "
                                        f"{None if w13s is None else w13s.dtype}: no k3verify expert format")
 
 
@@ -145,10 +145,10 @@ def model_layer(kernel: str, slot: int) -> int:
     """The model layer index of a launch from its `layer` argument (K1: the index; K2: 128 + it)."""
     if kernel == "k1":
         if not 0 <= slot < K2_SLOT0:
-            raise InputError("k1.layer", f"{slot}: vLLM passes K1 the model layer index (0..127)")
+            raise ArgError("k1.layer", f"{slot}: vLLM passes K1 the model layer index (0..127)")
         return int(slot)
     if slot < K2_SLOT0:
-        raise InputError("k2.layer", f"{slot}: vLLM passes K2 layer = 128 + layer_idx")
+        raise ArgError("k2.layer", f"{slot}: vLLM passes K2 layer = 128 + layer_idx")
     return int(slot) - K2_SLOT0
 
 
@@ -169,7 +169,7 @@ def _view(base: torch.Tensor, shape, strides, field: str) -> torch.Tensor:
     try:
         return torch.as_strided(base, tuple(shape), tuple(strides), base.storage_offset())
     except RuntimeError as e:
-        raise InputError(field, f"strides {tuple(strides)} for shape {tuple(shape)} leave the buffer ({e})") from None
+        raise ArgError(field, f"strides {tuple(strides)} for shape {tuple(shape)} leave the buffer ({e})") from None
 
 
 def k1_from_real(key: KdaPreBuild, kw: dict) -> dict:
@@ -182,15 +182,15 @@ def k1_from_real(key: KdaPreBuild, kw: dict) -> dict:
                                    "conv_w", "a_log", "dt_bias", "on_w", "rstate", "st_idx", "num_acc", "core_out")}
     for n, t in out.items():
         if t is None and n != "delta":
-            raise InputError(f"k1.{n}", "missing from the launch")
+            raise ArgError(f"k1.{n}", "missing from the launch")
     conv = kw.get("conv_state")
     if conv is None:
         base = kw.get("conv_st")
         if base is None:
-            raise InputError("k1.conv_state", "neither conv_state nor conv_st was passed")
+            raise ArgError("k1.conv_state", "neither conv_state nor conv_st was passed")
         strides = [kw.get(s) for s in ("cs_seq", "cs_dim", "cs_tok")]
         if any(s is None for s in strides):
-            raise InputError("k1.conv_st", "needs its strides cs_seq, cs_dim, cs_tok")
+            raise ArgError("k1.conv_st", "needs its strides cs_seq, cs_dim, cs_tok")
         conv = _view(base, (base.shape[0], out["conv_w"].shape[0], key.state_len), strides, "k1.conv_st")
     out["conv_state"] = conv
     if kw.get("rs_seq") is not None and kw["rs_seq"] != out["rstate"].stride(0):
@@ -220,7 +220,7 @@ def k2_from_real(kw: dict) -> dict:
     out = {n: kw.get(n) for n in _K2_TENSORS}
     for n, t in out.items():
         if t is None and n not in ("w13s", "w2s"):
-            raise InputError(f"k2.{n}", "missing from the launch")
+            raise ArgError(f"k2.{n}", "missing from the launch")
     out["blocks"] = _blocks(out["blocks"], kw, "k2")
     return out
 

@@ -14,7 +14,8 @@ the seed does (``kda.kda_pre(key, …, **runner.launch_args())``, ``k2.k2_launch
 - `_k2`: K2 of a layer, `w_up` narrowed to this rank's rows of the replicated weight.
 - `compile_build`: a layer's builds compiled ahead (the stand-in kernels compile nothing).
 
-Weights are the reference's synthetic ones (`ref.synth`), held under vLLM's module names.
+Weights are the reference's synthetic ones (`ref.synth`), held under vLLM's module names in
+the dtypes vLLM's mono path requires (`MonoKda.weights_ok`: conv1d.weight, A_log, dt_bias fp32).
 `serve_world` runs a few decode steps of a tiny stack on every rank, one thread per rank
 over a SimWorld (or `serve` in one torch.distributed process per rank).
 """
@@ -137,8 +138,8 @@ class WholeLayer(_Layer):
         rstate = page.as_strided((slots, cfg.nh, cfg.hd, cfg.hd), (page.stride(0), cfg.hd * cfg.hd, cfg.hd, 1))
         rstate.copy_(rs)
         self.self_attn = NS(in_proj_qkvgfab=NS(weight=w1["w_in"]), f_b_proj=NS(weight=w1["w_fb"]),
-                            conv1d=NS(weight=w1["conv_w"].view(cfg.qkv, 1, W)), A_log=w1["a_log"],
-                            dt_bias=w1["dt_bias"], o_norm=_norm(w1["on_w"], cfg.norm_eps("onorm_eps")),
+                            conv1d=NS(weight=w1["conv_w"].float().view(cfg.qkv, 1, W)),
+                            A_log=w1["a_log"].float(), dt_bias=w1["dt_bias"].float(), o_norm=_norm(w1["on_w"], cfg.norm_eps("onorm_eps")),
                             gate_lower_bound=cfg.lower_bound, kv_cache=(conv_buf, rstate), state_len=state_len)
         self.dense = None
         if cfg.is_dense(idx):
@@ -161,8 +162,8 @@ class WholeLayer(_Layer):
             conv_state = conv_state.transpose(-1, -2)
         return conv_state, rstate
 
-    def launch(self, prefix, blocks, delta, md, comm):
-        """K1 then K2 (or the dense MLP). Returns (the prefix buffer after the layer, its MLP output)."""
+    def k1(self, prefix, blocks, delta, md):
+        """K1 (vLLM's `_mono_kda_pre`, an eager break of a breakable graph) -> the core rows."""
         kda, _, runner = _mods()
         a = self.self_attn
         s = prefix.size(0)
@@ -175,6 +176,14 @@ class WholeLayer(_Layer):
                     conv_w=a.conv1d.weight.view(self.cfg.qkv, self.cfg.conv), conv_state=conv_state, a_log=a.A_log,
                     dt_bias=a.dt_bias, on_w=a.o_norm.weight, rstate=rstate, st_idx=md.spec_state_indices_tensor,
                     num_acc=md.num_accepted_tokens, core_out=core, **runner.launch_args(), layer=self.layer_idx)
+        return core
+
+    def launch(self, prefix, blocks, delta, md, comm, graph: bool = False):
+        """K1 then K2 (or the dense MLP). Returns (the prefix buffer after the layer, its MLP output).
+        graph: this forward is being captured (K1 an eager break, the rest in the capture)."""
+        Graph.set(False)
+        core = self.k1(prefix, blocks, delta, md)
+        Graph.set(graph)
         reset = self.is_block_write_layer
         # a block-write layer: K1 stored the prefix as the block; the MLP side starts a fresh one
         # (zeroed: K2 does not read it, but ref.k2_launch refuses a NaN input, which empty may hold)
@@ -205,7 +214,7 @@ class FfnLayer(_Layer):
         self.mla_proj = rsynth.mla_proj(cfg, idx, rank, seed)
         self._bind_moe(cfg, idx, rank, seed, fmt, world)
 
-    def launch(self, prefix, blocks, delta, md, comm):
+    def launch(self, prefix, blocks, delta, md, comm, graph: bool = False):
         cfg, num, w = self.cfg, self.num, self.attn_res
         if delta is not None:
             prefix.copy_(num.bf(num.f(prefix) + num.f(delta)))
@@ -233,10 +242,29 @@ def build_model(cfg, layers, rank: int, world: int, seed: int, fmt: str, slots: 
     return model
 
 
+class Graph:
+    """vLLM's breakable CUDA graph, as the Python side sees it (vllm/compilation/breakable_cudagraph.py):
+    while a forward is captured the stream is capturing, except in the eager breaks (`_mono_kda_pre`
+    is one: K1 runs eagerly, outside the capture); a replay runs the captured segments without
+    Python and calls only the eager breaks' functions again. `capturing` is what
+    torch.cuda.is_current_stream_capturing would say on this thread."""
+
+    _local = __import__("threading").local()
+
+    @classmethod
+    def capturing(cls) -> bool:
+        return getattr(cls._local, "on", False)
+
+    @classmethod
+    def set(cls, on: bool) -> None:
+        cls._local.on = on
+
+
 def serve(cfg, layers, steps: int, rank: int, world: int, group, *, seed: int = 0, fmt: str = "mxfp4",
-          requests: int = 3, padding: int = 1, num_spec: int = 1, num_acc=None) -> list:
+          requests: int = 3, padding: int = 1, num_spec: int = 1, num_acc=None, graph_steps=()) -> list:
     """Decode `steps` spec-verify steps of the stack `layers` as TP rank `rank`; returns each step's
-    last MLP output. `group`: a SimWorld (this rank is a thread) or a torch.distributed group."""
+    last MLP output. `group`: a SimWorld (this rank is a thread) or a torch.distributed group.
+    graph_steps: forwards captured as a breakable CUDA graph and replayed once (see `Graph`)."""
     from vllm.distributed import set_worker
 
     from harness.synth import slot_plan
@@ -251,6 +279,8 @@ def serve(cfg, layers, steps: int, rank: int, world: int, group, *, seed: int = 
     model = build_model(cfg, layers, rank, world, seed, fmt, slots, cfg.conv - 2 + L, S, L)
     outs = []
     for t in range(steps):
+        graph = t in graph_steps
+        Graph.set(graph)
         runner.step_begin()
         g = rsynth.gen("cpu", seed, "standin-step", t)
         na = (torch.tensor(num_acc[t], dtype=torch.int32) if num_acc is not None
@@ -260,7 +290,14 @@ def serve(cfg, layers, steps: int, rank: int, world: int, group, *, seed: int = 
             prefix = blocks[:, 0].clone()  # layer 0: the prefix is the embedding itself
         md = NS(spec_state_indices_tensor=st_idx, num_accepted_tokens=na, L=L)
         for layer in model:
-            prefix, delta = layer.launch(prefix, blocks, delta, md, comm)
+            prefix, delta = layer.launch(prefix, blocks, delta, md, comm, graph)
+        Graph.set(False)
+        if graph:  # the replay: the captured segments (step_begin's epoch bump among them) run without
+            # Python; only the eager breaks (K1) are Python calls again
+            runner.launch_args()["epoch"].add_(1)
+            for layer in model:
+                if isinstance(layer, WholeLayer):
+                    layer.k1(prefix.clone(), blocks.clone(), None if layer.layer_idx == layers[0] else delta, md)
         outs.append(delta)
     return outs
 
@@ -282,4 +319,4 @@ def serve_world(cfg, layers, steps: int, **kw) -> list:
     return run_world(world, worker, comm)
 
 
-__all__ = ["WholeLayer", "FfnLayer", "_k2", "compile_build", "build_model", "serve", "serve_world"]
+__all__ = ["WholeLayer", "FfnLayer", "Graph", "_k2", "compile_build", "build_model", "serve", "serve_world"]

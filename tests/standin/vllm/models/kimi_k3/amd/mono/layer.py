@@ -84,6 +84,8 @@ def _kernel(key: K2Build, a: dict) -> None:
     mailbox.claim(a["scratch"], scratch_bytes(key), a["epoch"], a["layer"])
     if not key.reduce or key.xp:
         raise NotImplementedError("stand-in: reduce=False and timing experiments (xp) are not modelled")
+    if a["bias"].dtype != torch.float32:  # the router reads the correction bias as f32
+        raise RuntimeError(f"bias is {a['bias'].dtype}: vLLM's K2 reads it as fp32 and would misread it")
     comm = group_of(a["peers"])
     bb = a["blocks"]
     blocks = torch.as_strided(bb, bb.shape, (a["blk_sm"], a["blk_sr"], 1), bb.storage_offset())

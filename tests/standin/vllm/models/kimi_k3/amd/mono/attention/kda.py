@@ -84,6 +84,9 @@ def _kernel(key: KdaPreBuild, a: dict) -> None:
     mailbox.claim(a["scratch"], scratch_bytes(key), a["epoch"], a["layer"])
     if key.xp:
         raise NotImplementedError("stand-in: timing experiments (xp) are not modelled")
+    for n in ("conv_w", "a_log", "dt_bias"):  # the kernel loads them as f32 (buffer_load T.f32)
+        if a[n].dtype != torch.float32:
+            raise RuntimeError(f"{n} is {a[n].dtype}: vLLM's K1 reads it as fp32 and would misread it")
     cb = a["conv_st"]
     conv = torch.as_strided(cb, (cb.shape[0], QKV, key.state_len), (a["cs_seq"], a["cs_dim"], a["cs_tok"]),
                             cb.storage_offset())
