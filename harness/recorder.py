@@ -297,6 +297,9 @@ class Recorder:
         if step is not None and not _want(self.steps, step):
             self.skip("filtered", rank=rank)
             return launch()
+        if self._stopped(rank):
+            self.skip("budget", rank=rank)
+            return launch()
         st_idx = args["st_idx"]
         smap = cap.slot_map_for(st_idx, key.qlen)
         inp = {n: _clone(args.get(n)) for n in ("prefix", "delta", "blocks", "st_idx", "num_acc")}
@@ -333,11 +336,12 @@ class Recorder:
             return launch()
         with self._lock:
             step, why = self._step_of("k2", layer, rank)
-        core_sha = None
         if why is None and step is not None and not _want(self.steps, step):
             why = "filtered"
+        if why is None and self._stopped(rank):
+            why = "budget"
         if why is not None:
-            if why != "graph":
+            if why != "graph" and self._pending.get(layer):
                 self._pop_k1(layer, rank, step, cap.tensor_sha256(args["core"]))
             self.skip(why, "a launch outside an eager forward (CUDA-graph capture or replay) is not recorded"
                       if why == "graph" else None, rank)
@@ -357,6 +361,10 @@ class Recorder:
         return res
 
     # ---- internals
+    def _stopped(self, rank) -> bool:
+        b = self._budgets.get(rank if self.per_rank else None)
+        return b is not None and b.stopped
+
     def _pop_k1(self, layer: int, rank: int, step, core_sha: str) -> _K1 | None:
         """The held K1 of this K2: same layer, its core_out bit-identical to K2's core, and (where
         the K1 knew them) the same rank and step."""

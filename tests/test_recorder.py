@@ -92,7 +92,8 @@ def test_filter_and_budget(tmp_path):
     assert [p.name for p in sets] == [f"s00000_l{i:03d}" for i in range(4)] and len(rec.written) == step0
     for p in sets:
         cap.load_set(p)  # complete and valid
-    assert s["skipped_by_reason"] == {"budget": 8} and any("stopped before step 1" in w for w in s["warnings"])
+    # every launch of step 1 goes unrecorded: 2 dense K1, 4 KDA K1, 6 K2
+    assert s["skipped_by_reason"] == {"budget": 12} and any("stopped before step 1" in w for w in s["warnings"])
 
     # a budget that breaks step 0 in the middle: what was written of it is removed, the drop is said
     rec = Recorder(ref.kda_pre, ref.k2_launch, tmp_path / "m", budget_bytes=full["bytes"] // 4, cfg=TINY,

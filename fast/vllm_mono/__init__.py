@@ -207,6 +207,8 @@ class VllmMonoBackend:
         from ref.comm import DistComm
 
         m = self.modules()
+        while comm is not None and not isinstance(comm, DistComm) and hasattr(comm, "comm"):
+            comm = comm.comm  # a wrapper (benchmarks/multi_gpu.py times its reductions)
         if not isinstance(comm, DistComm):
             raise ArgError("comm", "vllm-mono's K2 reduces in-kernel over IPC-mapped peer buffers: every TP rank must "
                                    "be a live process on its own GPU (torch.distributed; benchmarks/multi_gpu.py "

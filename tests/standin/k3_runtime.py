@@ -26,7 +26,6 @@ from types import SimpleNamespace as NS
 
 import torch
 
-import ref
 from ref import synth as rsynth
 from ref._num import Num
 from ref.attnres import attnres, sources
