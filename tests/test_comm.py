@@ -138,11 +138,21 @@ def test_gloo_matches_simulated_world(tmp_path, seed):
             pytest.fail("gloo workers timed out")
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"gloo rank {r} failed:\n{logs[r][-3000:]}"
-    for layer, fmt in GLOO_STEPS:
-        key, ranks = make_k2(TINY, seed, layer=layer, fmt=fmt)
-        for a in ranks:
-            a["taps"] = {}
-        ref.k2_world(key, ranks)
+    # The workers run one BLAS thread each; the simulated world must too: on some CPUs
+    # (seen on an AMD EPYC) MKL's fp32 GEMM splits K by thread count, moving the logits' last bit.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sims = []
+        for layer, fmt in GLOO_STEPS:
+            key, ranks = make_k2(TINY, seed, layer=layer, fmt=fmt)
+            for a in ranks:
+                a["taps"] = {}
+            ref.k2_world(key, ranks)
+            sims.append(ranks)
+    finally:
+        torch.set_num_threads(threads)
+    for (layer, fmt), ranks in zip(GLOO_STEPS, sims):
         for r in range(world):
             got = load_file(str(tmp_path / f"{layer}-{fmt}-rank{r}.safetensors"))
             lp.assert_bits(f"{fmt} rank {r} out", got["out"], ranks[r]["out"])
