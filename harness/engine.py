@@ -333,6 +333,20 @@ def run_backend(step: Step, p: Poisoned, backend, timeout: float | None = DEFAUL
     return side, errors
 
 
+def _drop_misshapen_taps(step: Step, bk: Side, rf: Side) -> list[str]:
+    """A tap of another shape than the reference's is an error of the backend; it is dropped so
+    everything else is still judged (and nothing is fed from it)."""
+    errors = []
+    for stage, bt, rt in (("k1", bk.t1, rf.t1), ("k2", bk.t2, rf.t2)):
+        for r, (b, t) in enumerate(zip(bt, rt)):
+            for name in [n for n in (b or {}) if n in (t or {})]:
+                if tuple(b[name].shape) != tuple(t[name].shape):
+                    errors.append(f"{stage}/{name} (tap) rank {r}: the backend's tensor has the wrong shape "
+                                  f"{tuple(b[name].shape)}, expected {tuple(t[name].shape)}")
+                    del b[name]
+    return errors
+
+
 def routing_rule(step: Step, bk: Side, rf: Side, orc: Side, p: Poisoned, o2_in, tie_eps: float):
     """Routing compared as sets on the oracle's keys; near-ties force the backend's picks on the
     reference and oracle K2. Returns (routing per rank, forced, rf, orc)."""
@@ -515,6 +529,7 @@ def run_step(step: Step, backend, *, isolate: bool = True, noise: int = 0, seed:
         bk, errors = run_backend(step, p, backend, timeout)
     except BackendTimeout as e:
         return StepRun(step, [], {}, {}, False, [], aborted=str(e))
+    errors += _drop_misshapen_taps(step, bk, rf)
     missing = {"k1": [t for t in K1_TAPS if step.k1 is not None and t not in bk.t1[0]],
                "k2": [t for t in K2_TAPS if step.k2 is not None and bk.k2 is not None and t not in bk.t2[0]]}
     routing, forced, rf, orc = routing_rule(step, bk, rf, orc, p, o2_in, tie_eps)
