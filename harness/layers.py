@@ -196,6 +196,7 @@ class _Layer:
         self._k2_saved = None
         self.obs = observer or _QUIET
         self.outs: list[torch.Tensor] = []  # every rank's `out` of the last launch
+        self.cores: list[torch.Tensor] = []  # every rank's K1 `core_out` of the last launch
         self._caches = None
         if self.has_k1:
             if caches is None or len(caches) != world.size:
@@ -233,8 +234,18 @@ class _Layer:
             out.append(k2_build(self.cfg, self.layer, width, self.fmt))
         return out
 
-    def launch(self, step: SpecStep, prefix_sum, block_residual, prefix_delta, *, force_ids=None):
+    def attention(self, step: SpecStep, prefix_sum, block_residual, prefix_delta):
+        """The attention side (K1, or the AttnRes op and MLA) -> (cores per rank, prefix, blocks)."""
         raise NotImplementedError
+
+    def mlp(self, cores, prefix, blocks, *, force_ids=None):
+        """The MLP side (K2, or the dense stand-in) on the attention side's results (not modified)
+        -> the carry (prefix, blocks, out). force_ids: per-rank [S, K] picks (reference only)."""
+        raise NotImplementedError
+
+    def launch(self, step: SpecStep, prefix_sum, block_residual, prefix_delta, *, force_ids=None):
+        """The whole layer -> (prefix_sum, block_residual, out); the arguments are not modified."""
+        return self.mlp(*self.attention(step, prefix_sum, block_residual, prefix_delta), force_ids=force_ids)
 
     # -- shared pieces
 
@@ -244,6 +255,11 @@ class _Layer:
     def _carry(self, prefix, blocks, delta):
         as_ = lambda t: None if t is None else t.to(self.dtype)  # noqa: E731 - bf16 stays itself
         return as_(prefix), as_(blocks), as_(delta)
+
+    def _mlp_in(self, cores, prefix, blocks):
+        """The MLP side's own copies in its dtype: a fresh prefix buffer (K2 updates it in place)."""
+        cores = [c.to(self.dtype) for c in cores]
+        return cores, prefix.to(self.dtype, copy=True), blocks.to(self.dtype)
 
     def _zero_fresh(self, step: SpecStep) -> None:
         if step.fresh and self._caches is not None:
@@ -273,6 +289,7 @@ class _Layer:
             cores.append(a["core_out"])
             if r == 0:
                 after = a
+        self.cores = cores
         return cores, after["prefix"], after["blocks"]
 
     def _k2(self, cores, prefix, blocks, force_ids=None) -> torch.Tensor:
@@ -317,13 +334,14 @@ class WholeLayer(_Layer):
 
     has_k1 = has_k2 = True
 
-    def launch(self, step: SpecStep, prefix_sum, block_residual, prefix_delta, *, force_ids=None):
+    def attention(self, step: SpecStep, prefix_sum, block_residual, prefix_delta):
         self._zero_fresh(step)
-        prefix, blocks, delta = self._carry(prefix_sum, block_residual, prefix_delta)
-        cores, prefix, blocks = self._k1(step, prefix, blocks, delta)
-        # a fresh prefix buffer for the MLP side holding K1's values (not zeros: a K2 that wrongly
-        # reads it under reset then shows)
-        prefix = prefix.clone()
+        return self._k1(step, *self._carry(prefix_sum, block_residual, prefix_delta))
+
+    def mlp(self, cores, prefix, blocks, *, force_ids=None):
+        cores, prefix, blocks = self._mlp_in(cores, prefix, blocks)
+        # the fresh prefix buffer holds K1's values, not zeros: a K2 that wrongly reads it under
+        # reset then shows
         out = self._k2(cores, prefix, blocks, force_ids)
         return prefix, blocks, out
 
@@ -333,11 +351,12 @@ class DenseLayer(_Layer):
 
     has_k1 = True
 
-    def launch(self, step: SpecStep, prefix_sum, block_residual, prefix_delta, *, force_ids=None):
+    def attention(self, step: SpecStep, prefix_sum, block_residual, prefix_delta):
         self._zero_fresh(step)
-        prefix, blocks, delta = self._carry(prefix_sum, block_residual, prefix_delta)
-        cores, prefix, blocks = self._k1(step, prefix, blocks, delta)
-        prefix = prefix.clone()
+        return self._k1(step, *self._carry(prefix_sum, block_residual, prefix_delta))
+
+    def mlp(self, cores, prefix, blocks, *, force_ids=None):
+        cores, prefix, blocks = self._mlp_in(cores, prefix, blocks)
         dense = [self._weights(w) for w in self.w.dense]
         out = dense_mlp(self.cfg, self.layer, cores, prefix, blocks, dense, self.num)
         self.obs.after_dense(self.layer, prefix, out)
@@ -350,12 +369,16 @@ class FfnLayer(_Layer):
 
     has_k2 = True
 
-    def launch(self, step: SpecStep, prefix_sum, block_residual, prefix_delta, *, force_ids=None):
+    def attention(self, step: SpecStep, prefix_sum, block_residual, prefix_delta):
         prefix, blocks, delta = self._carry(prefix_sum, block_residual, prefix_delta)
         prefix, blocks = prefix.clone(), blocks.clone()
         x = attnres_op(prefix, delta, blocks, self._weights(self.w.attn_res), self.cfg, self.layer, self.num)
         # o_proj input of the stand-in attention: one bf16 rounding after the fp32 GEMM
         cores = [self.num.bf(self.num.mm(x, p.to(self.dtype) if self.mode == "oracle" else p)) for p in self.w.mla]
+        return cores, prefix, blocks
+
+    def mlp(self, cores, prefix, blocks, *, force_ids=None):
+        cores, prefix, blocks = self._mlp_in(cores, prefix, blocks)
         out = self._k2(cores, prefix, blocks, force_ids)
         return prefix, blocks, out
 

@@ -10,18 +10,20 @@ MLP stand-in, MLA layer = the AttnRes op and the MLA stand-in then K2), driven t
 the reference; an observer turns every launch into captures. K2's `out` is the next
 layer's pending delta; K1's block write and K2's reset follow the config's block schedule.
 
-Speculative decoding: R requests of L = num_spec + 1 tokens; each real request owns L
-slots of a cache with twice as many slots as referenced (random ids, slot 0 the null
-slot), the same every step, so step t+1 with acceptance a starts from slot
-st_idx[r, a-1], exactly where step t wrote the state after its a-th token. The last
-`padding` requests are padding (null slots, alternately 0 and -1). Acceptance counts
-are random in 1..L unless given. Every random draw comes from a generator seeded by
-(seed, what it is for): the same command writes the same bytes.
+Speculative decoding: R rows of L = num_spec + 1 tokens (`RequestMix`). Each live request
+owns L slots of a cache with twice as many slots as referenced (random ids, slot 0 the null
+slot), so step t+1 with acceptance a starts from slot st_idx[r, a-1], exactly where step t
+wrote the state after its a-th token. The last `padding` rows are padding (null slots 0 and
+-1). Acceptance is random in 1..L (with R ≥ 2 the run shows a = L and a = 1 on purpose), all,
+or none-then-all, unless given; with `lifetime` requests join (fresh zeroed slots) and leave
+(their row turns into padding). Every random draw comes from a generator seeded by (seed,
+what it is for): the same command writes the same bytes.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,6 +64,104 @@ def slot_plan(R: int, L: int, padding: int, g: torch.Generator) -> tuple[torch.T
         p = r - (R - padding)
         st[r] = perm[r * L:(r + 1) * L] if p < 0 else (0 if p % 2 == 0 else -1)
     return st, total
+
+
+ACCEPT_MODES = ("random", "all", "none-then-all")
+
+
+@dataclass
+class MixStep:
+    """One step of a request mix: st_idx [R, L] int32 and num_acc [R] int32 (CPU), which rows hold a
+    live request, the slots of requests joining this step (zeroed before it runs), and what changed."""
+
+    st_idx: torch.Tensor
+    num_acc: torch.Tensor
+    live: list[bool]
+    fresh: tuple[int, ...] = ()
+    events: list[str] = field(default_factory=list)
+
+    def live_rows(self) -> list[int]:
+        return [r for r, v in enumerate(self.live) if v]
+
+
+class RequestMix:
+    """The rows of a spec-verify batch over the steps of a run (R rows of L tokens).
+
+    A live row owns L slots of a cache of 1 + 2·R·L (slot 0 the null slot); the last `padding`
+    rows start as padding. Padding rows carry null slots, 0 or -1 alternating by row and step, so
+    two steps show both. Acceptance per live row (`accept`): random in 1..L; all (L); none-then-all
+    (1 for the first half of the steps, then L). With R ≥ 2 a random run covers full acceptance
+    (a = L) and zero-extra acceptance (a = 1) on purpose: the first two live (step, row) pairs get
+    L and 1 (in one step when it has two live rows). `num_acc` [steps][R] overrides every draw.
+
+    lifetime > 0: requests join and leave. After each step a live request finishes with
+    probability 1/lifetime and its row turns into padding; a padding row takes a new request with
+    the probability that keeps `padding` rows idle on average (at least one step idle). A new
+    request gets L free slots, zeroed before its first step (it has no prefill state). Draws come
+    from generators seeded by (seed, tag, what, step): the same arguments give the same mix.
+    """
+
+    def __init__(self, R: int, L: int, padding: int, steps: int, seed: int, *, accept: str = "random",
+                 lifetime: int = 0, num_acc=None, tag: str = "synth"):
+        if accept not in ACCEPT_MODES:
+            raise InputError("accept", f"{accept!r} not in {', '.join(ACCEPT_MODES)}")
+        if lifetime < 0:
+            raise InputError("lifetime", f"{lifetime} < 0")
+        self.R, self.L, self.steps, self.seed, self.tag = R, L, steps, seed, tag
+        self.accept, self.lifetime, self.num_acc, self.padding = accept, lifetime, num_acc, padding
+        self.st, self.total = slot_plan(R, L, padding, rsynth.gen("cpu", seed, f"{tag}-slots"))
+        self.live = [r < R - padding for r in range(R)]
+        used = {int(v) for r in range(R) if self.live[r] for v in self.st[r].tolist()}
+        self.free = [s for s in range(1, self.total) if s not in used]
+        self.p_leave = 1.0 / lifetime if lifetime else 0.0
+        self.p_join = min(1.0, self.p_leave * (R - padding) / padding) if padding else 1.0
+        self.t = 0
+        self._covered: list[int] = []  # accept values still to place (a = L, then a = 1)
+        if accept == "random" and num_acc is None and R >= 2:
+            self._covered = [L, 1] if L > 1 else [L]
+
+    def _null(self, r: int) -> int:
+        # the first padding row starts at 0, as slot_plan lays them out
+        return 0 if (r - self.R + self.padding + self.t) % 2 == 0 else -1
+
+    def step(self) -> MixStep:
+        """The next step's rows. Leaves and joins decided at the end of step t show in step t+1."""
+        t, R, L = self.t, self.R, self.L
+        fresh, events = [], []
+        if t > 0 and self.lifetime:
+            g = rsynth.gen("cpu", self.seed, f"{self.tag}-churn", t)
+            u = torch.rand(R, generator=g).tolist()
+            for r in range(R):
+                if self.live[r] and u[r] < self.p_leave:
+                    self.free.extend(int(v) for v in self.st[r].tolist())
+                    self.live[r] = False
+                    events.append(f"leave row {r}")
+                elif not self.live[r] and u[r] < self.p_join and len(self.free) >= L:
+                    pick = torch.randperm(len(self.free), generator=g)[:L].tolist()
+                    slots = [self.free[i] for i in pick]
+                    self.free = [s for i, s in enumerate(self.free) if i not in set(pick)]
+                    self.st[r] = torch.tensor(slots, dtype=torch.int32)
+                    self.live[r] = True
+                    fresh += slots
+                    events.append(f"join row {r}")
+        st = self.st.clone()
+        for r in range(R):
+            if not self.live[r]:
+                st[r] = self._null(r)
+        if self.num_acc is not None:
+            na = torch.tensor(self.num_acc[t], dtype=torch.int32)
+        elif self.accept == "all":
+            na = torch.full((R,), L, dtype=torch.int32)
+        elif self.accept == "none-then-all":
+            na = torch.full((R,), 1 if t < self.steps // 2 else L, dtype=torch.int32)
+        else:
+            na = torch.randint(1, L + 1, (R,), generator=rsynth.gen("cpu", self.seed, f"{self.tag}-accept", t),
+                               dtype=torch.int32)
+            for r in range(R):
+                if self._covered and self.live[r]:
+                    na[r] = self._covered.pop(0)
+        self.t += 1
+        return MixStep(st, na, list(self.live), tuple(fresh), events)
 
 
 def _check_args(cfg: Config, steps: int, num_spec: int, experts: str, requests: int, padding: int,
@@ -179,14 +279,16 @@ class _Launches:
 def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts: str, seed: int, out,
                requests: int | None = None, padding: int | None = None, world: int | None = None,
                device="cpu", progress: bool = True, num_acc=None, git: bool = True,
-               tool: str = TOOL, kda_pre=None, k2_launch=None) -> list[Path]:
+               tool: str = TOOL, kda_pre=None, k2_launch=None, accept: str = "random",
+               lifetime: int = 0) -> list[Path]:
     """Run the reference over `layers` (consecutive; 'a-b', a list, or None for every layer) for
     `steps` decode steps; write one capture per (step, layer, rank) under `out`. Returns the
     capture-set folders, in order.
 
     requests (R): default max(1, 8 // L) so S = R·L ≤ 8; padding: default 1 when R ≥ 2;
     world: re-split the config for another TP size; num_acc: optional [steps][R] acceptance;
-    kda_pre / k2_launch: the launches to drive (default the reference; e.g. a Recorder's).
+    accept / lifetime: the request mix (`RequestMix`); kda_pre / k2_launch: the launches to drive
+    (default the reference; e.g. a Recorder's).
     """
     backend = _Launches(kda_pre or ref.kda_pre, k2_launch or ref.k2_launch)
     cfg = config if isinstance(config, Config) else get_config(config)
@@ -212,10 +314,13 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
 
     S = R * L
     state_len = cfg.conv - 2 + L  # vLLM: W - 1 + num_spec
-    st_idx, total = slot_plan(R, L, pad, rsynth.gen("cpu", seed, "synth-slots"))
+    mix = RequestMix(R, L, pad, steps, seed, accept=accept, lifetime=lifetime, num_acc=num_acc)
+    total = mix.total
     prod = cap.producer(tool, device, git=git)
     meta = {"synth": {"seed": seed, "requests": R, "padding": pad, "num_spec": num_spec, "steps": steps,
                       "layers": [layers[0], layers[-1]]}}
+    if accept != "random" or lifetime:
+        meta["synth"].update(accept=accept, lifetime=lifetime)
     out.mkdir(parents=True, exist_ok=True)
 
     from tqdm import tqdm
@@ -234,16 +339,15 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
                         num_spec=num_spec, observer=rec)
     bar.set_postfix_str("")
     for t in range(steps):
+        ms = mix.step()
         g = rsynth.gen("cpu", seed, "synth-step", t)
-        na = (torch.tensor(num_acc[t], dtype=torch.int32) if num_acc is not None
-              else torch.randint(1, L + 1, (R,), generator=g, dtype=torch.int32))
         prefix, blocks, delta = rsynth.carry(cfg, S, layers[0], g, "cpu", with_delta=layers[0] > 0)
         if layers[0] == 0:
             prefix = blocks[:, 0].clone()  # layer 0: the prefix is the embedding itself
         prefix, blocks = prefix.to(dev), blocks.to(dev)
         delta = None if delta is None else delta.to(dev)
-        rec.begin(t, st_idx, na, L)
-        step = SpecStep(st_idx.to(dev), na.to(dev), L)
+        rec.begin(t, ms.st_idx, ms.num_acc, L)
+        step = SpecStep(ms.st_idx.to(dev), ms.num_acc.to(dev), L, ms.fresh)
         stack.launch(step, prefix, blocks, delta, each=lambda *_: bar.update(1))
     bar.close()
     return list(dict.fromkeys(p.parent for p in rec.written))
@@ -267,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=None, help="R (default: max(1, 8 // L), so S ≤ 8)")
     p.add_argument("--padding", type=int, default=None, help="padding requests among R (default: 1 if R ≥ 2)")
     p.add_argument("--world", type=int, default=None, help="TP size (default: the preset's)")
+    p.add_argument("--accept", default="random", help=f"acceptance: {' | '.join(ACCEPT_MODES)}")
+    p.add_argument("--lifetime", type=int, default=0,
+                   help="mean request lifetime in steps: requests join and leave (default 0: they stay)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-git", action="store_true", help="do not record the git revision")
     p.add_argument("--out", required=True)
@@ -281,7 +388,8 @@ def cli(argv) -> int:
     except ValueError as e:
         raise InputError("config", str(e).split(": ", 1)[-1]) from None
     sets = synthesize(cfg, a.layers, a.steps, a.num_spec, a.experts, a.seed, a.out, requests=a.requests,
-                      padding=a.padding, world=a.world, device=a.device, progress=not a.quiet, git=not a.no_git)
+                      padding=a.padding, world=a.world, device=a.device, progress=not a.quiet, git=not a.no_git,
+                      accept=a.accept, lifetime=a.lifetime)
     n = sum(1 for s in sets for _ in s.glob("rank*.safetensors"))
     print(f"synth: wrote {n} captures in {len(sets)} sets under {a.out}")
     return 0
