@@ -22,12 +22,26 @@ import sys
 
 TENSORS = ("conv", "rstate", "core", "prefix", "logits", "out")
 
-# python -m harness.drift_policy --steps 256 --seeds 1,2,3,4 --experts mxfp4,int4,bf16  (tiny,
-# layers 0-5, num_spec 3, lifetime 64, accept random; CPU, 1 thread): see docs/drift.md.
-MEASURED: dict = {}
+# `python -m harness.drift_policy --steps 256 --seeds 1,2 --experts mxfp4,int4,bf16` on this
+# project's CPU machine (AMD EPYC, 1 thread; tiny, layers 0-5, num_spec 3, R = 2, lifetime 64,
+# accept random), 2026-12-03: the largest d(benign, oracle) / d(ref, oracle) over 6 runs of 256
+# steps, per tensor (d(ref, oracle) was never below 1e-4, so no run constrained the floor):
+MEASURED = {
+    "coupled": {"conv": 1.0042, "rstate": 1.0197, "core": 1.1140, "prefix": 1.0056, "logits": 1.0989,
+                "out": 1.1694},
+    # the same with --chain (each copy on its own residual stream through the stack): a benign
+    # reordering's rounding differences flip bf16 roundings and MXFP4 codes and are amplified
+    # layer after layer, so the ratio says nothing about the backend: chain is measured, not judged
+    "chain": {"conv": 14.95, "rstate": 1.790, "core": 4.003, "prefix": 4.137, "logits": 6.839, "out": 15.45},
+}
 
+# k: 1.28x the largest benign ratio (1.17, `out` int4), rounded up to 1.5. The planted slow bugs
+# (tests/drift_bugs.py) reach ratios of 3 (recurrent state stored in bf16) to 20 (decay gain) in
+# 256 steps, and cross 1.5 within 10 steps.
 K = 1.5
-FLOOR = 1e-5
+# floor: fp32 resolution of a relative distance (2^-20), for tensors where the reference and the
+# oracle agree exactly (then only fp32 reordering noise may separate the backend)
+FLOOR = 2.0 ** -20
 
 
 def limit(tensor: str, d_ro: float) -> float:

@@ -30,7 +30,7 @@ def summary_line(run: DriftRun) -> str:
     per = f"{run.seconds / run.steps_run * 1e3:.1f} ms/step" if run.steps_run else "—"
     line = (f"**{verdict}** · backend `{run.backend}` · {run.config} layers {run.layers[0]}-{run.layers[-1]} · "
             f"{run.steps_run}/{run.steps} steps · L = {run.num_spec + 1}, R = {run.requests} · {run.experts} · "
-            f"accept {run.accept} · device {run.device} · {per}")
+            f"accept {run.accept} · {'chain (not judged by ratio)' if run.chain else 'coupled'} · device {run.device} · {per}")
     if run.failures:
         line += f"\n\nborn at: {run.failures[0].line()}"
     return line

@@ -203,7 +203,7 @@ class _Layer:
                 raise ValueError(f"layer {layer}: needs one (conv_state, rstate) pair per rank")
             if conv_layout not in ("DS", "SD"):
                 raise ValueError(f"conv_layout: {conv_layout!r} not DS (dim-first) or SD (vLLM's default)")
-            self._caches = [(self._conv_buffer(c, conv_layout), s.to(F64 if mode == "oracle" else s.dtype))
+            self._caches = [(self._conv_buffer(c, conv_layout), s.to(F64 if mode == "oracle" else s.dtype, copy=True))
                             for c, s in caches]
 
     def _conv_buffer(self, c: torch.Tensor, layout: str) -> torch.Tensor:
