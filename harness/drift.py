@@ -69,7 +69,7 @@ STAGES = {
     "nonfinite": {"*": "NaN/Inf"},
 }
 # dataflow order within a layer: of several failures in one step, the first is where it was born
-ORDER = ("k1_carry", "conv", "rstate", "core", "core_padding", "prefix", "logits", "routing", "out", "out_ranks")
+ORDER = ("k1_carry", "conv", "rstate", "core_padding", "core", "prefix", "logits", "routing", "out", "out_ranks")
 DIMS = {"conv": ("rank", "slot", "channel", "pos"), "rstate": ("rank", "slot", "head", "v", "k"),
         "core": ("rank", "token", "channel"), "prefix": ("token", "channel"), "out": ("token", "channel"),
         "logits": ("rank", "token", "expert")}
@@ -249,7 +249,16 @@ def _dist(num: float, den: float) -> float:
 
 
 def _worst(tensor, b, o, carries, rows: _Rows, L: int) -> dict:
-    """Coordinates of the largest |backend - oracle| of a tracked tensor (a NaN wins)."""
+    """Coordinates of the largest |backend - oracle| of a tracked tensor (a NaN wins; a non-finite
+    value outside the live rows, e.g. in padding rows, is located first)."""
+    if tensor in ("core", "prefix", "out"):
+        full = b.cores if tensor == "core" else [carries[0][0 if tensor == "prefix" else 2]]
+        bad = torch.stack([~torch.isfinite(x) for x in full])
+        if bool(bad.any()):
+            k = [int(v) for v in torch.nonzero(bad)[0].tolist()]
+            loc = dict(zip(DIMS[tensor], k if tensor == "core" else k[1:]))
+            loc.update(request_row=loc["token"] // L, value="non-finite")
+            return loc
     if tensor in ("prefix", "out"):
         i = 0 if tensor == "prefix" else 2
         pb, po = [carries[0][i].index_select(0, rows.t_tokens)], [carries[2][i].index_select(0, rows.t_tokens)]
