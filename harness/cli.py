@@ -14,6 +14,7 @@ COMMANDS = {
     "policy": ("harness.derive", "derive the policy's chained limits from the reference's own spread"),
     "diff": ("harness.diff", "compare two JSON reports: did the numerics get worse?"),
     "ref": ("harness.ref_cmd", "run the reference over one synthetic step and print a per-stage summary"),
+    "drift": ("harness.drift", "run backend, reference and oracle closed-loop over many decode steps; judge drift"),
     "group": ("harness.group", "assemble a per-rank recording (the vLLM plugin's) into capture sets"),
 }
 
