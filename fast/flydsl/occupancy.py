@@ -19,8 +19,8 @@ Utils/AMDGPUBaseInfo.cpp, IsaInfo; AMDGPUSubtarget.cpp):
   whole, its waves spread over the 4 SIMDs.
 
 Put together: WG per CU = min(4·regs // W, LDS // lds, max WG), W = waves per workgroup
-and regs = min(VGPR waves, SGPR waves); waves per SIMD = WG per CU · W // 4. `limit`
-names what binds (vgpr, sgpr, lds, or wg when the workgroup shape does).
+and regs = min(VGPR waves, SGPR waves); waves per SIMD = WG per CU · W // 4, at most 8.
+`limit` names what binds: vgpr, sgpr, lds, wg (the workgroup shape), or max (8 waves).
 """
 from __future__ import annotations
 
@@ -52,11 +52,13 @@ def occupancy(arch: str, vgpr_total: int, sgpr: int, lds: int, wg_size: int) -> 
     per_wg = -(-wg_size // WAVE)
     max_wg = SIMDS_PER_CU * MAX_WAVES if per_wg == 1 else min(SIMDS_PER_CU * MAX_WAVES // per_wg, BARRIERS_PER_CU)
     vw, sw = vgpr_waves(vgpr_total), sgpr_waves(sgpr)
-    by = {
-        "vgpr": SIMDS_PER_CU * vw // per_wg,
-        "sgpr": SIMDS_PER_CU * sw // per_wg,
-        "lds": LDS_PER_CU[arch] // lds if lds else max_wg,
-        "wg": max_wg,
-    }
+    by = {"wg": max_wg}  # workgroups per CU each resource allows (those below the arch's maximum)
+    if vw < MAX_WAVES:
+        by["vgpr"] = SIMDS_PER_CU * vw // per_wg
+    if sw < MAX_WAVES:
+        by["sgpr"] = SIMDS_PER_CU * sw // per_wg
+    if lds:
+        by["lds"] = LDS_PER_CU[arch] // lds
     limit = min(by, key=lambda k: (by[k], ("vgpr", "sgpr", "lds", "wg").index(k)))
-    return min(MAX_WAVES, by[limit] * per_wg // SIMDS_PER_CU), limit
+    waves = min(MAX_WAVES, by[limit] * per_wg // SIMDS_PER_CU)
+    return waves, "max" if waves == MAX_WAVES else limit
