@@ -16,7 +16,8 @@ def compile_build(key, arch: str, debug: bool = False, **dims) -> list[dict]:
 
     key: KdaPreBuild (dims: S L H NBMAX NP NH HD RK W SL [conv_w]) or K2Build
     (dims: S H NBMAX P E LAT SI RI UP [bias]). One dict per launch: name, kernel, arch,
-    vgpr, agpr, sgpr, lds, scratch, vgpr_spill, sgpr_spill, code_bytes, wavefront, seconds.
+    vgpr (arch + acc, the unified count), agpr, sgpr, lds, scratch, vgpr_spill, sgpr_spill, code_bytes,
+    wavefront, wg_size, waves (per SIMD), waves_limit, seconds.
     """
     from ref.config import KdaPreBuild
 
