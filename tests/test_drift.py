@@ -59,16 +59,19 @@ def captures(tmp_path_factory):
     return d
 
 
-def test_bf16_state_passes_a_single_step_replay(captures, monkeypatch):
-    """The recurrent state stored through bf16 hides in a single step (chained and isolated views
-    pass) and fails drift (above): drift is what catches it. (The other planted bugs are caught by a
-    replay too: docs/drift.md.)"""
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_planted_slow_bugs_are_caught_by_a_replay_too(captures, monkeypatch, name):
+    """The replay judges the recurrent state and the conv window at fp32 resolution (issue H), so
+    each planted slow bug already fails a single-step replay, in both views, at the tensor it
+    corrupts; drift (above) is the closed-loop confirmation over a request mix."""
     import fast
 
-    monkeypatch.setattr(fast, "load_backend", lambda spec: db.BF16_STATE)
+    monkeypatch.setattr(fast, "load_backend", lambda spec: db.BUGS[name])
+    tap = {"rstate": {"rstate", "gate"}, "conv": {"conv_state", "conv_carry"}}[EXPECT[name]]
     for iso in (False, True):
         run = replay(captures, "bug", progress=False, isolate=iso)
-        assert run.passed, [(c.stage, c.output, c.view) for c in run.comparisons if not c.passed]
+        bad = {c.output for c in run.comparisons if not c.passed}
+        assert not run.passed and bad & tap, bad
 
 
 def test_benign_reorderings_pass_short():
