@@ -26,6 +26,10 @@ own key error at the experts involved. Every limit is written with its measureme
     k3verify policy derive golden/ [--seeds 4] [--out derived.toml]
     k3verify policy derive golden/ --update golden/tolerances.toml    # rewrite the derived block
     k3verify policy derive golden/ --check golden/tolerances.toml     # exit 1 if the file is looser
+
+Measurements of captures too large for this machine are made where they fit and kept:
+`--save M.json` writes this run's measurement (with its command and machine); `--include
+M.json` adds a kept one (golden/derived/*.json: k3-tp8 from the H200) to the block written.
 """
 from __future__ import annotations
 
@@ -123,7 +127,48 @@ def measure(captures, seeds: int = 4, device: str = "cpu", progress: bool = True
                     kr = torch.sigmoid(t_ref[r]["logits"].double()) + bias
                     ko = torch.sigmoid(t_orc[r]["logits"]) + bias
                     g["key_err"] = max(g["key_err"], float((kr - ko).abs().max()))
-    return {k: {"stats": dict(v["stats"]), "sets": v["sets"], "key_err": v["key_err"]} for k, v in out.items()}
+    return {k: {"stats": dict(v["stats"]), "sets": v["sets"], "key_err": v["key_err"], "seeds": seeds}
+            for k, v in out.items()}
+
+
+def save_measure(meas: dict, source: str, path: Path) -> None:
+    import json
+    import platform
+
+    import torch
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
+    rows = [{"config": c, "format": f, "sets": g["sets"], "seeds": g["seeds"], "key_err": g["key_err"],
+             "source": f"{source} on {dev}",
+             "stats": [{"stage": k[0], "output": k[1], "view": k[2], **v} for k, v in sorted(g["stats"].items())]}
+            for (c, f), g in sorted(meas.items())]
+    path.write_text(json.dumps({"format": "k3verify-derive-measure", "version": 1, "groups": rows}, indent=1))
+
+
+def load_measure(path: Path) -> dict:
+    """A kept measurement -> measure()'s shape, each group with its "source"."""
+    import json
+
+    where = str(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise InputError("--include", f"cannot read a measurement: {e}", where) from None
+    if not isinstance(doc, dict) or doc.get("format") != "k3verify-derive-measure" or doc.get("version") != 1:
+        raise InputError("format", "not a k3verify-derive-measure v1 file", where)
+    out = {}
+    try:
+        for g in doc["groups"]:
+            stats = {}
+            for st in g["stats"]:
+                st = dict(st)
+                key = (str(st.pop("stage")), str(st.pop("output")), str(st.pop("view")))
+                stats[key] = {k: float(v) for k, v in st.items()}
+            out[(str(g["config"]), str(g["format"]))] = {"stats": stats, "sets": int(g["sets"]),
+                                                         "seeds": int(g["seeds"]), "key_err": float(g["key_err"]), "source": str(g["source"])}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InputError("groups", f"malformed measurement ({type(e).__name__}: {e})", where) from None
+    return out
 
 
 def _keys(cs, step, t_ref, t_orc) -> None:
@@ -173,13 +218,13 @@ def limits(meas: dict, seeds: int, source: str) -> dict:
                 notes.append(f"rel_l2 perturb {sp:.2g}")
                 rule = f"max({NOISE_M:g} x perturb, 2^-18)"
             if e:
-                e["why"] = (f"{source}: {g['sets']} sets x {seeds} seeds, worst " + "; ".join(notes)
+                e["why"] = (f"{g.get('source', source)}: {g['sets']} sets x {g.get('seeds', seeds)} seeds, worst " + "; ".join(notes)
                             + f"; limit = {rule}")
                 ent[(stage, o, view)] = e
         if g["key_err"] > 0:
             ent[("k2", "topk_ids", "chained")] = {
                 "tie_eps": _round_up(TIE_M * g["key_err"]),
-                "why": f"derived from {source}: worst |key_ref - key_oracle| {g['key_err']:.3g} over {g['sets']} "
+                "why": f"derived from {g.get('source', source)}: worst |key_ref - key_oracle| {g['key_err']:.3g} over {g['sets']} "
                        f"sets; tie_eps = {TIE_M:g} x that"}
         out[(cfg, fmt)] = ent
     return out
@@ -272,18 +317,27 @@ def cli(argv) -> int:
     d.add_argument("--update", metavar="POLICY", help="rewrite the derived block inside this policy file")
     d.add_argument("--check", metavar="POLICY", nargs="?", const="", help="exit 1 if POLICY (default the "
                                                                            "shipped one) is looser than derived")
+    d.add_argument("--save", metavar="JSON", help="also write this run's measurement here")
+    d.add_argument("--include", metavar="JSON", action="append", default=[],
+                   help="add a kept measurement (another machine's captures) to the block")
     d.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     if a.seeds < 1:
         raise InputError("--seeds", f"{a.seeds} < 1")
     from .replay import check_outputs, resolve_device
 
-    check_outputs(out=a.out, update=a.update)
+    check_outputs(out=a.out, update=a.update, save=a.save)
+    kept = {}
+    for f in a.include:
+        kept.update(load_measure(Path(f)))
     if a.update and not Path(a.update).is_file():
         raise InputError("--update", f"{a.update} is not a policy file")
     device = resolve_device(a.device)
     meas = measure(a.captures, a.seeds, device, progress=not a.quiet)
-    lim = limits(meas, a.seeds, f"`k3verify policy derive {a.captures} --seeds {a.seeds}`")
+    source = f"`k3verify policy derive {a.captures} --seeds {a.seeds}`"
+    if a.save:
+        save_measure(meas, source, Path(a.save))
+    lim = limits({**kept, **meas}, a.seeds, source)
     block = to_toml(lim)
     from .replay import _print
 

@@ -88,17 +88,23 @@ class Case:
     requests: int
     padding: int
     num_acc: tuple
+    world: int | None = None  # None: the config's
 
     @property
     def name(self) -> str:
-        return f"{self.experts}-l{self.layers}"
+        return f"{self.experts}-l{self.layers}" + (f"-w{self.world}" if self.world else "")
 
 
-# tiny layers 0-5: 0, 2, 4 block-write KDA (0 without a pending delta), 1 plain KDA, 3, 5 plain MLA.
+# tiny layers 0-5: 0 dense (K1 only), 2, 4 block-write KDA, 1 plain KDA, 3, 5 MLA (K2 only).
+# Together the cases hold every L (1..4) with full and zero-extra acceptance, padding rows with
+# null slot 0 and -1, every expert format, world 2 and 4 (rank order not commutative), and the
+# synthetic router twins (exact key ties, at the top-k boundary too: ref.synth).
 CASES = (
-    Case("mxfp4", "0-1", 1, 1, 4, 1, ((1, 2, 2, 1),)),  # padding, acceptance 1..2
-    Case("int4", "2-3", 2, 3, 2, 0, ((1, 4), (3, 2))),  # acceptance 1..4 over two steps
-    Case("bf16", "1", 1, 2, 2, 1, ((2, 1),)),
+    Case("mxfp4", "0-1", 1, 1, 4, 1, ((1, 2, 2, 1),)),  # L 2: a = 1 and 2, a padding row
+    Case("int4", "2-3", 2, 3, 2, 0, ((1, 4), (3, 2))),  # L 4: a = 1..4 over two steps
+    Case("bf16", "1", 2, 2, 2, 1, ((3, 1), (1, 1))),  # L 3: a = 3 then 1, padding slot 0 then -1
+    Case("a8w4", "3-4", 1, 3, 2, 0, ((4, 1),), world=4),  # L 4, world 4
+    Case("mxfp4", "4", 1, 0, 3, 1, ((1, 1, 1),)),  # L 1
 )
 # K2 results identical on every rank: the expected files store them once, as "rep.".
 REPLICATED = ("prefix", "out", "tap.delta", "tap.x", "tap.logits", "tap.topk_ids", "tap.topk_w", "tap.lat",
@@ -181,7 +187,7 @@ def build(dest: Path, cases=CASES, progress: bool = True) -> None:
     for case in cases:
         root = dest / case.name
         sets = synthesize("tiny", case.layers, case.steps, case.num_spec, case.experts, SEED, root,
-                          requests=case.requests, padding=case.padding, num_acc=[list(a) for a in case.num_acc],
+                          requests=case.requests, padding=case.padding, world=case.world, num_acc=[list(a) for a in case.num_acc],
                           progress=progress, git=False, tool="k3verify golden")
         for sp in sets:
             cs = cap.load_set(sp)

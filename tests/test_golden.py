@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import ref
 from harness import golden
@@ -34,18 +35,31 @@ def test_committed_golden_set_coverage():
     from harness import capture as cap
 
     sets = [cap.load_set(p) for p in cap.discover(golden.GOLDEN_DIR / golden.SET)]
-    assert {cs.fmt for cs in sets} == {"bf16", "mxfp4", "int4"}
+    assert {cs.fmt for cs in sets} == {"bf16", "mxfp4", "int4", "a8w4"}
+    assert {cs.world for cs in sets} == {2, 4}
     assert {cs.kind for cs in sets} == {"kda", "mla", "dense"}
     assert {cs.k2_key.reset for cs in sets if cs.has_k2} == {True, False}
     kda = [cs for cs in sets if cs.has_k1]
     assert any(not cs.k1_key.delta for cs in kda)  # layer 0: no pending delta
-    padded = [cs for cs in kda if int(cs.inputs(0, "k1")["st_idx"].min()) <= 0]
-    assert padded
+    nulls = {int(v) for cs in kda for row in cs.inputs(0, "k1")["st_idx"].tolist() if row[0] <= 0 for v in row[:1]}
+    assert nulls == {0, -1}, nulls  # padding rows with either null slot
     acc = {}  # qlen -> acceptance counts of real requests
     for cs in kda:
         st, na = cs.inputs(0, "k1")["st_idx"], cs.inputs(0, "k1")["num_acc"]
         acc.setdefault(cs.k1_key.qlen, set()).update(a for a, row in zip(na.tolist(), st.tolist()) if row[0] > 0)
-    assert acc[2] == {1, 2} and acc[4] == {1, 2, 3, 4}, acc
+    assert all(acc[L] >= {1, L} for L in (1, 2, 3, 4)), acc  # full and zero-extra acceptance at every L
+    assert acc[4] == {1, 2, 3, 4}, acc
+    k2 = [cs for cs in sets if cs.has_k2]
+    assert min(cs.k2_key.topk for cs in k2) >= 4
+    ties = 0  # exact router-key ties at the top-k boundary (the k-th and the (k+1)-th key equal)
+    for cs in k2:
+        exp = golden.GOLDEN_DIR / golden.SET / cs.path.parent.name / "expected" / f"{cs.path.name}.safetensors"
+        logits = load_file(exp)["rep.k2.exact.tap.logits"]
+        key = torch.sigmoid(logits) + cs.k2_args(0)["bias"].to(logits.dtype)
+        top = key.topk(cs.k2_key.topk + 1, dim=-1).values
+        ties += int((top[:, -1] == top[:, -2]).sum())
+    assert ties > 0, "no exact router tie at the top-k boundary"
+
     size = sum(p.stat().st_size for p in (golden.GOLDEN_DIR / golden.SET).rglob("*") if p.is_file())
     assert size < 5_000_000
 

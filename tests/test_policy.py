@@ -2,7 +2,9 @@
 and the default policy against a reference copy, a correct-looking and a broken output."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 from harness.errors import InputError
 from harness.metrics import compare, compare_routing
 from harness.policy import DEFAULT_POLICY, STAGES, Policy, judge, load_policy, passed
+
+GOLDEN_SET = Path(__file__).resolve().parent.parent / "golden" / "set"
 
 pytestmark = pytest.mark.cpu
 BF16 = torch.bfloat16
@@ -213,3 +217,31 @@ def test_default_policy_separates(rng, fmt):
     # bookkeeping: a single one-ulp difference in the prefix fails
     res = _judge_default("k1", "prefix", fmt, flips.view(BF16), b)
     assert not res["exact"].passed
+
+
+def test_derive_keeps_a_measurement_made_elsewhere(tmp_path, capsys):
+    """--save then --include: a measurement from another machine (k3-tp8 on a GPU) lands in the
+    block as it was measured, with its source; a malformed one is one line, exit 2."""
+    from harness.cli import main as cli_main
+    from harness.derive import load_measure
+
+    one = str(GOLDEN_SET / "bf16-l1")
+    m, a, b = tmp_path / "m.json", tmp_path / "a.toml", tmp_path / "b.toml"
+    assert cli_main(["policy", "derive", one, "--seeds", "1", "--save", str(m), "--out", str(a), "--quiet"]) == 0
+    kept = load_measure(m)
+    assert kept and all(g["source"].startswith("`k3verify policy derive") and g["seeds"] == 1 for g in kept.values())
+    other = tmp_path / "other.json"
+    doc = json.loads(m.read_text())
+    for g in doc["groups"]:
+        g["config"] = "k3-tp8"
+    other.write_text(json.dumps(doc))
+    assert cli_main(["policy", "derive", one, "--seeds", "1", "--include", str(other), "--out", str(b),
+                     "--quiet"]) == 0
+    text = b.read_text()
+    assert "[config.k3-tp8.format.bf16.stage.k2.out]" in text and "[config.tiny.format.bf16.stage.k2.out]" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "k3verify-derive-measure", "version": 1, "groups": [{"config": 1}]}')
+    capsys.readouterr()
+    assert cli_main(["policy", "derive", one, "--include", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "groups" in err[0] and "bad.json" in err[0]
