@@ -11,22 +11,27 @@ COMMANDS = {
     "synth": ("harness.synth", "write synthetic captures (reference run over a stack of layers)"),
     "golden": ("harness.golden", "regenerate or check the golden files"),
     "compile": ("harness.compile_cmd", "compile FlyDSL builds without running them; print ISA resources"),
-    "diff": ("harness.report", "compare two JSON reports: did the numerics get worse?"),
+    "policy": ("harness.derive", "derive the policy's chained limits from the reference's own spread"),
+    "diff": ("harness.diff", "compare two JSON reports: did the numerics get worse?"),
     "ref": ("harness.ref_cmd", "run the reference over one synthetic step and print a per-stage summary"),
+    "drift": ("harness.drift", "run backend, reference and oracle closed-loop over many decode steps; judge drift"),
     "group": ("harness.group", "assemble a per-rank recording (the vLLM plugin's) into capture sets"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: k3verify COMMAND [options]", "", "commands:"]
+    from .errors import EXIT_HELP
+
+    lines = ["usage: k3verify COMMAND [options]   (k3verify COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {c:<8} {h}" for c, (_, h) in COMMANDS.items()]
+    lines += ["", EXIT_HELP]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     from ref.abi import ArgError
 
-    from .errors import InputError
+    from .errors import EXIT_INCOMPLETE, EXIT_USAGE, Incomplete, InputError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -41,7 +46,10 @@ def main(argv=None) -> int:
         return int(mod.cli(rest) or 0)
     except (InputError, ArgError) as e:
         print(f"k3verify {cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except Incomplete as e:
+        print(f"k3verify {cmd}: could not finish: {e}", file=sys.stderr)
+        return EXIT_INCOMPLETE
     except KeyboardInterrupt:
         print(f"k3verify {cmd}: interrupted", file=sys.stderr)
         return 130

@@ -7,7 +7,6 @@ and HTML reports and prints the summary and where they are.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -48,33 +47,37 @@ def pick_backend(requested: str | None) -> tuple[str, str | None, str]:
 
 
 def cli(argv) -> int:
-    ap = argparse.ArgumentParser(prog="k3verify demo", description=__doc__.split("\n\n")[0])
+    from .errors import EXIT_HELP, ArgParser
+
+    ap = ArgParser(prog="k3verify demo", description=__doc__.split("\n\n")[0], epilog=EXIT_HELP)
     ap.add_argument("--out", help="folder for captures and reports (default: a new temp folder)")
     ap.add_argument("--backend", help="override the backend choice (ref | triton | flydsl | module:object)")
-    ap.add_argument("--experts", default="mxfp4", choices=["bf16", "mxfp4", "int4"])
+    from ref.config import EXPERT_FORMATS
+
+    ap.add_argument("--experts", default="mxfp4", choices=list(EXPERT_FORMATS))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--isolate", action="store_true")
+    ap.add_argument("--no-isolate", action="store_true", help="judge the chained view only (default: both views)")
     a = ap.parse_args(argv)
     if a.steps < 1:
         raise InputError("--steps", f"{a.steps} < 1")
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="k3verify-demo-"))
     caps = out / "captures"
-    if caps.exists() and any(caps.iterdir()):
+    if caps.exists() and (not caps.is_dir() or any(caps.iterdir())):
         raise InputError("--out", f"{caps} already holds captures; choose an empty folder")
+    from .replay import check_outputs
+
+    check_outputs(out=out / "report.md")
     spec, device, why = pick_backend(a.backend)
-    from .replay import replay, write_reports
-    from .report import stage_table, summary_line
+    from .replay import _print, replay, write_reports
+    from .report import problem_lines, stage_table, summary_line
     from .synth import synthesize
 
     print(f"k3verify demo: synthesizing tiny captures into {caps}", file=sys.stderr)
     synthesize("tiny", layers=None, steps=a.steps, num_spec=3, experts=a.experts, seed=a.seed, out=caps,
                progress=True)
     print(f"k3verify demo: replaying through backend {spec!r} ({why})", file=sys.stderr)
-    run = replay(caps, spec, device, isolate=a.isolate, progress=True)
+    run = replay(caps, spec, device, isolate=not a.no_isolate, progress=True)
     lines = write_reports(run, out / "report.md", out / "report.json", out / "report.html")
-    print(summary_line(run))
-    print(stage_table(run))
-    for line in lines:
-        print(line)
-    return 0 if run.passed else 1
+    _print(summary_line(run), stage_table(run), *problem_lines(run), *lines)
+    return run.exit_code()

@@ -20,10 +20,13 @@ so the check holds on any x86-64 CPU and still fails when one stage's formula ch
 Oracle (float64) outputs are compared chained, within 1e-12 relative. `--strict` compares the
 whole exact chain bit for bit, which only the CPU that wrote the set reproduces (torch's fp32
 GEMMs and vectorized reductions differ between MKL code paths and ATen CPU capabilities).
-regen: builds the whole set in golden/.set.tmp-* beside the old one, prints what changed
-(files, tensors, by how much), refuses to replace a different set without --force, then
-swaps by rename (old → .set.old-*, new → set, old removed). An interrupted regen leaves the
-old set in place; a regen interrupted between the two renames is undone by the next run.
+regen: under an exclusive lock (golden/.regen.lock: a concurrent regen refuses, exit 2),
+builds the whole set in golden/.set.tmp-* beside the old one (a dot-folder: discovery never
+enters it), prints what changed (files, tensors, by how much), refuses to replace a different
+set without --force, then swaps the two folders in one atomic exchange (Linux renameat2; elsewhere
+two renames, an interruption between them undone by the next regen) and removes the old one.
+check also verifies that the set on disk is exactly the manifest's cases (no set missing or
+extra, an expected file for each; an empty set fails).
 """
 from __future__ import annotations
 
@@ -259,7 +262,7 @@ def diff(old: Path, new: Path) -> list[str]:
 # --------------------------------------------------------------------------- regen / check
 
 def _recover(gdir: Path) -> None:
-    """Undo a swap interrupted between its two renames; drop half-built sets."""
+    """Undo a swap interrupted between its two renames (the fallback path); drop half-built sets."""
     live = gdir / SET
     olds = sorted(gdir.glob(f".{SET}.old-*"))
     if not live.exists() and olds:
@@ -269,44 +272,101 @@ def _recover(gdir: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+class _Lock:
+    """An exclusive lock on golden/.regen.lock: a second regen refuses at once (exit 2)."""
+
+    def __init__(self, gdir: Path):
+        self.path = gdir / ".regen.lock"
+
+    def __enter__(self):
+        import fcntl
+
+        self.f = open(self.path, "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.close()
+            raise InputError("golden", "another `k3verify golden regen` holds the lock; nothing written",
+                             str(self.path)) from None
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    return rc == 0
+
+
+def _swap_in(gdir: Path, tmp: Path) -> None:
+    """Make tmp the live set: one atomic exchange where the OS has it, else two renames (an
+    interruption between them is undone by the next regen)."""
+    live = gdir / SET
+    if _exchange(tmp, live):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old set
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{SET}.old-", dir=gdir))
+    os.rmdir(old)
+    os.rename(live, old)
+    os.rename(tmp, live)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def regen(gdir: Path = GOLDEN_DIR, force: bool = False, cases=CASES, progress: bool = True, out=print) -> int:
-    """Rebuild golden/set; 0 when written or unchanged, 1 when refused (changes without force)."""
+    """Rebuild golden/set; 0 when written or unchanged, 1 when refused (changes without force).
+    Under an exclusive lock; the new set is built in a dot-folder beside it (never discovered)."""
     gdir = Path(gdir)
     gdir.mkdir(parents=True, exist_ok=True)
-    _recover(gdir)
-    live = gdir / SET
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SET}.tmp-", dir=gdir))
-    try:
-        build(tmp, cases, progress)
-        if live.exists():
-            changes = diff(live, tmp)
-            if not changes:
-                out(f"golden: up to date ({len(json.loads((tmp / 'manifest.json').read_text())['files'])} files "
-                    f"in {live})")
-                return 0
-            out(f"golden: {len(changes)} change(s) against {live}:")
-            for c in changes:
-                out(f"  {c}")
-            if not force:
-                out("golden: refusing to overwrite without --force; nothing written")
-                return 1
-            old = Path(tempfile.mkdtemp(prefix=f".{SET}.old-", dir=gdir))
-            os.rmdir(old)
-            os.rename(live, old)
-            os.rename(tmp, live)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, live)
-        n = len(json.loads((live / "manifest.json").read_text())["files"])
-        out(f"golden: wrote {n} files to {live}")
-        return 0
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _Lock(gdir):
+        _recover(gdir)
+        live = gdir / SET
+        tmp = Path(tempfile.mkdtemp(prefix=f".{SET}.tmp-", dir=gdir))
+        try:
+            build(tmp, cases, progress)
+            if live.exists():
+                changes = diff(live, tmp)
+                if not changes:
+                    out(f"golden: up to date ({len(json.loads((tmp / 'manifest.json').read_text())['files'])} files "
+                        f"in {live})")
+                    return 0
+                out(f"golden: {len(changes)} change(s) against {live}:")
+                for c in changes:
+                    out(f"  {c}")
+                if not force:
+                    out("golden: refusing to overwrite without --force; nothing written")
+                    return 1
+                _swap_in(gdir, tmp)
+            else:
+                os.rename(tmp, live)
+            n = len(json.loads((live / "manifest.json").read_text())["files"])
+            out(f"golden: wrote {n} files to {live}")
+            return 0
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_manifest(live: Path) -> dict:
     mp = live / "manifest.json"
+    if not live.exists() and list(live.parent.glob(f".{SET}.old-*")):
+        raise InputError("golden", "a regen was interrupted mid-swap: run `k3verify golden regen` to restore the "
+                                   "set", str(live))
     try:
         man = json.loads(mp.read_text())
     except FileNotFoundError:
@@ -325,7 +385,36 @@ def _load_manifest(live: Path) -> dict:
     for f, h in sorted(man["files"].items()):
         if _file_sha(live / f) != h:
             raise InputError("files", "sha256 differs from the golden manifest (edited since regen?)", str(live / f))
+    _check_cases(live, man, str(mp))
     return man
+
+
+def _check_cases(live: Path, man: dict, where: str) -> None:
+    """The set on disk is exactly the manifest's cases: every case's (step, layer) sets with their
+    expected files, nothing else; an empty set is no golden set."""
+    cases = man.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise InputError("cases", "the golden manifest lists no cases", where)
+    want = set()
+    for c in cases:
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise InputError("cases", f"malformed case {c!r}", where)
+        try:
+            a, _, b = str(c["layers"]).partition("-")
+            layers = range(int(a), int(b or a) + 1)
+            steps = range(int(c["steps"]))
+        except (KeyError, TypeError, ValueError):
+            raise InputError("cases", f"case {c['name']}: bad layers/steps", where) from None
+        want |= {f"{c['name']}/{cap.set_dirname(t, i)}" for t in steps for i in layers}
+    have = {p.relative_to(live).as_posix() for p in cap.discover(live)}
+    for sp in sorted(want - have):
+        raise InputError("cases", f"capture set {sp} of the manifest's cases is missing", where)
+    for sp in sorted(have - want):
+        raise InputError("cases", f"capture set {sp} is on disk but in no case of the manifest", where)
+    for sp in sorted(want):
+        case, name = sp.split("/", 1)
+        if not (live / case / "expected" / f"{name}.safetensors").is_file():
+            raise InputError("cases", f"{sp} has no expected file", where)
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor, oracle: bool) -> str | None:

@@ -17,10 +17,17 @@ from ref.kda_pre import K1_STAGE_INPUTS
 
 K1_WRITTEN = ("core_out", "conv_state", "rstate")  # in-place K1 outputs an isolated run also gives
 K2_WRITTEN = ("prefix", "out")
+K1_WRITES = ("prefix", "blocks", "conv_state", "rstate", "core_out")  # what a K1 launch writes in place
+K2_WRITES = ("prefix", "out")
 
 
 def clone_args(args: dict) -> dict:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def clone_state(args: dict, names) -> dict:
+    """A launch-arg dict whose `names` are private copies; every other tensor (the weights) is shared."""
+    return {k: (v.clone() if k in names and isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
 def _fed(feed: dict, inputs, world_feeds=None) -> bool:
@@ -30,7 +37,7 @@ def _fed(feed: dict, inputs, world_feeds=None) -> bool:
 def k1_feed_run(key, args: dict, feed: dict, **kw) -> tuple[dict, dict]:
     """The reference's K1 of one rank fed `feed`. args: the inputs before the launch (not
     modified). Returns (isolated outputs by tap/output name, the launch args after it)."""
-    a = clone_args(args)
+    a = clone_state(args, K1_WRITES)
     taps: dict = {}
     ref.kda_pre(key, **a, taps=taps, feed=feed, **kw)
     out = {}
@@ -43,15 +50,15 @@ def k1_feed_run(key, args: dict, feed: dict, **kw) -> tuple[dict, dict]:
 
 def k1_isolated(key, args: dict, bt: dict) -> dict:
     """args: one rank's K1 inputs *before* the launch; bt: the backend's K1 taps -> the
-    reference's isolated taps and core_out."""
-    out, _ = k1_feed_run(key, args, bt)
-    return {n: v for n, v in out.items() if n not in ("conv_state", "rstate")}
+    reference's isolated taps, core_out, and the caches written from fed inputs (conv_state
+    from proj, rstate from conv_out/gate/beta)."""
+    return k1_feed_run(key, args, bt)[0]
 
 
 def k2_feed_run(key, ranks: list[dict], feeds: list[dict], **kw) -> tuple[list[dict], list[dict]]:
     """The reference's K2 of every rank fed `feeds` (one per rank). ranks: inputs before the
     launch (not modified). Returns (isolated outputs per rank, launch args after per rank)."""
-    args = [clone_args(a) for a in ranks]
+    args = [clone_state(a, K2_WRITES) for a in ranks]
     taps = [{} for _ in ranks]
     for a, t, f in zip(args, taps, feeds):
         a["taps"], a["feed"] = t, f

@@ -54,7 +54,9 @@ Keys of the dict `compare` returns (all plain Python values, JSON-ready):
     mag_err      {"count", "max_abs"}: elements and their largest |a-b| per bin of |b|
                  (`MAG_BINS`), for error-vs-magnitude plots
 
-Metrics are computed in float64 (exact for bf16/fp32 inputs and int32 ids).
+Metrics are computed in float64 (exact for bf16/fp32 inputs and int32 ids), on the device the
+candidate lives on: `compare_lazy` leaves them there, `resolve(pending)` brings any number of
+them to the host in one transfer (a replay step judges all its pairs with one sync).
 Empty tensors compare as equal: errors 0, cosine 1, exact True.
 """
 from __future__ import annotations
@@ -132,18 +134,6 @@ def bf16_ulp(b, floor: float = 0.0) -> np.ndarray:
     return ((e - _BF16_MANT + 1023) << 52).view(np.float64)
 
 
-def _np64(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).to(F64).cpu().numpy()
-
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """Storage bits (floats) or values (ints/bools), flat numpy."""
-    t = t.reshape(-1).contiguous()
-    if t.is_floating_point():
-        t = t.view(_INT_VIEW[t.element_size()])
-    return t.cpu().numpy()
-
-
 def _empty(a, b, atol, rtol, atol_rms) -> dict:
     return dict(n=0, shape=list(a.shape), dtype_a=_dn(a), dtype_b=_dn(b), dtype_match=a.dtype == b.dtype,
                 exact=a.dtype == b.dtype, n_differ=0, exact_frac=1.0, max_abs=0.0, mean_abs=0.0,
@@ -168,58 +158,138 @@ def _ratio(num: float, den: float, both_zero: float, den_zero: float) -> float:
     return both_zero if num == 0 else den_zero
 
 
-_ULP_EDGES = np.array(ULP_EDGES)
-_MAG_EDGES = np.array(MAG_EDGES)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Storage bits (floats) or values (ints/bools), flat."""
+    t = t.reshape(-1).contiguous()
+    if t.is_floating_point():
+        t = t.view(_INT_VIEW[t.element_size()])
+    return t
 
 
-def compare(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol_rms: float = 0.0,
-            detail: bool = True) -> dict:
-    """Metrics of candidate `a` against reference `b` (any equal shape). See module doc.
+def _ulp_t(rb: torch.Tensor) -> torch.Tensor:
+    """bf16 spacing at rb = |bf16 value| (float64, >= 0, may be 0/inf): 2^(e-7), e = floor(log2 rb)
+    clamped to [-126, 127], from the float64 exponent field (exact on every device)."""
+    e = ((rb.view(torch.int64) >> 52) & 0x7FF) - 1023
+    e = e.clamp(_BF16_MIN_EXP, 127)
+    return ((e - _BF16_MANT + 1023) << 52).view(F64)
 
-    detail=False leaves out worst locations, ulp_hist and mag_err (about half the time):
-    enough for oracle and noise comparisons, which only feed ratios.
-    """
+
+# Layout of the device-side result vector of one comparison (float64; counts and indices are
+# exact below 2^53). One host transfer resolves any number of pending comparisons.
+_NU, _NH, _NM = 17, len(ULP_BINS), len(MAG_BINS)
+_SCAL = ("n_eq", "n_differ", "nan_a", "nan_b", "inf_a", "inf_b", "sum_d2", "sum_b2", "sum_a2", "sum_ab",
+         "max_d", "sum_d", "n_fin", "max_ulp", "n_ok", "absmax_y", "any_bad")
+_DET = ("wi", "wa", "wb", "wu")
+def _bin(v: torch.Tensor, edges) -> torch.Tensor:
+    """1 + the number of edges below v (searchsorted, left), one compare per edge."""
+    out = torch.ones(v.shape, dtype=torch.int64, device=v.device)
+    for e in edges:
+        out += v > e
+    return out
+
+
+class Pending:
+    """A comparison whose numbers are still on the device: `resolve([...])` brings many home
+    in one transfer."""
+
+    def __init__(self, vec, meta: dict, empty: dict | None = None):
+        self.vec, self.meta, self.empty = vec, meta, empty
+
+    def result(self, host: list[float] | None = None) -> dict:
+        if self.empty is not None:
+            return self.empty
+        return _decode(host if host is not None else self.vec.cpu().tolist(), self.meta)
+
+
+def resolve(pending: list) -> list[dict]:
+    """The dicts of many Pending comparisons, with one device-to-host transfer per device."""
+    out: list = [None] * len(pending)
+    by_dev: dict = {}
+    for i, p in enumerate(pending):
+        if p.empty is not None:
+            out[i] = p.empty
+        else:
+            by_dev.setdefault(p.vec.device, []).append(i)
+    for dev, idx in by_dev.items():
+        host = torch.cat([pending[i].vec for i in idx]).cpu().tolist()
+        pos = 0
+        for i in idx:
+            n = pending[i].vec.numel()
+            out[i] = pending[i].result(host[pos:pos + n])
+            pos += n
+    return out
+
+
+def compare_lazy(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol_rms: float = 0.0,
+                 detail: bool = True) -> Pending:
+    """`compare` without the host transfer: every metric is computed where `a` lives (b is moved
+    there if it is elsewhere) into one float64 vector; `resolve` turns it into the dict."""
     a, b = _t(a), _t(b)
     if tuple(a.shape) != tuple(b.shape):
         raise ShapeMismatch(f"shape {tuple(a.shape)} (candidate) != {tuple(b.shape)} (reference)")
     names = dim_names(dims, a.dim())
+    if b.device != a.device:
+        b = b.to(a.device)
+    meta = dict(n=a.numel(), shape=list(a.shape), names=names, dtype_a=_dn(a), dtype_b=_dn(b),
+                dtype_match=a.dtype == b.dtype, is_float=a.is_floating_point(),
+                is_int=not (a.is_floating_point() or b.is_floating_point()),
+                atol=float(atol), rtol=float(rtol), atol_rms=float(atol_rms), detail=detail)
     if a.numel() == 0:
-        return _empty(a, b, float(atol), float(rtol), float(atol_rms))
-    n = a.numel()
-    dtype_match = a.dtype == b.dtype
-    is_int = not (a.is_floating_point() or b.is_floating_point())
-    fa, fb = _np64(a), _np64(b)
-
-    with np.errstate(invalid="ignore", over="ignore"):  # a finite sum implies finite elements
-        all_fin = bool(np.isfinite(fa.sum() + fb.sum())) or bool(np.isfinite(fa).all() and np.isfinite(fb).all())
-    if all_fin:  # the common case: no masks needed
-        value_eq = fa == fb
-        nan_a = nan_b = inf_a = inf_b = 0
-        fin = nonfin_bad = None
-        any_bad = False
-    else:
-        isnan_a, isnan_b = np.isnan(fa), np.isnan(fb)
-        value_eq = (fa == fb) | (isnan_a & isnan_b)
-        fin = np.isfinite(fa) & np.isfinite(fb)
-        nonfin_bad = ~fin & ~value_eq  # one side non-finite and not the same value
-        any_bad = bool(nonfin_bad.any())
-        nan_a, nan_b = int(np.count_nonzero(isnan_a)), int(np.count_nonzero(isnan_b))
-        inf_a, inf_b = int(np.count_nonzero(np.isinf(fa))), int(np.count_nonzero(np.isinf(fb)))
-    n_eq = int(np.count_nonzero(value_eq))
-    if not dtype_match:
+        return Pending(None, meta, _empty(a, b, float(atol), float(rtol), float(atol_rms)))
+    fa, fb = a.reshape(-1).to(F64), b.reshape(-1).to(F64)
+    nan_a, nan_b = torch.isnan(fa), torch.isnan(fb)
+    inf_a, inf_b = torch.isinf(fa), torch.isinf(fb)
+    value_eq = (fa == fb) | (nan_a & nan_b)
+    fin = torch.isfinite(fa) & torch.isfinite(fb)
+    nonfin_bad = ~fin & ~value_eq  # one side non-finite and not the same value
+    n = fa.numel()
+    n_eq = value_eq.sum()
+    if not meta["dtype_match"]:
         n_differ = n - n_eq
-    elif all_fin and a.is_floating_point():
-        # equal finite values of one dtype differ in bits only as +0 / -0
-        n_differ = n - n_eq + int(np.count_nonzero((fa == 0) & (np.signbit(fa) != np.signbit(fb))))
     else:
-        n_differ = int(np.count_nonzero(_bits(a) != _bits(b)))
+        n_differ = (_bits(a) != _bits(b)).sum()
+    zero = torch.zeros((), dtype=F64, device=fa.device)
+    x, y = torch.where(fin, fa, zero), torch.where(fin, fb, zero)
+    d = (x - y).abs()
+    n_fin = fin.sum()
+    sum_d2, sum_b2, sum_a2, sum_ab = d @ d, y @ y, x @ x, x @ y
+    any_bad = nonfin_bad.any()
+    # ulps of the reference, floored at ULP_FLOOR_RMS * rms(b) (see module doc)
+    rms = torch.sqrt(sum_b2 / n_fin.clamp_min(1))
+    if meta["is_int"]:
+        ulp_full = d
+    else:
+        rb = y.abs() if b.dtype == torch.bfloat16 else y.to(torch.bfloat16).to(F64).abs()
+        ulp_full = d / _ulp_t(torch.maximum(rb, ULP_FLOOR_RMS * rms))
+    ulp_full = torch.where(nonfin_bad, torch.full_like(ulp_full, math.inf), ulp_full)
+    absy = y.abs()
+    n_ok = ((d <= atol + atol_rms * rms + rtol * absy) & fin).sum() + (value_eq & ~fin).sum()
+    parts = [n_eq, n_differ, nan_a.sum(), nan_b.sum(), inf_a.sum(), inf_b.sum(), sum_d2, sum_b2, sum_a2, sum_ab,
+             d.max(), d.sum(), n_fin, ulp_full.max(), n_ok, absy.max(), any_bad]
+    vec = [torch.stack([torch.as_tensor(v, device=fa.device).to(F64) for v in parts])]
+    if detail:
+        wi = torch.where(any_bad, torch.argmax(nonfin_bad.to(torch.int8)), torch.argmax(d))
+        wu = torch.argmax(ulp_full)
+        wv = wi.view(1)
+        vec.append(torch.cat([wi.to(F64).view(1), fa.gather(0, wv), fb.gather(0, wv), wu.to(F64).view(1)]))
+        bins = _bin(ulp_full, ULP_EDGES)
+        bins = torch.where(ulp_full == 0, torch.zeros_like(bins), bins)
+        bins = torch.where(nonfin_bad, torch.full_like(bins, _NH - 1), bins)
+        vec.append(torch.bincount(bins, minlength=_NH).to(F64))
+        mb = _bin(absy, MAG_EDGES)
+        mb = torch.where(absy == 0, torch.zeros_like(mb), mb)
+        vec.append(torch.bincount(mb, weights=fin.to(F64), minlength=_NM).to(F64))
+        vec.append(torch.zeros(_NM, dtype=F64, device=fa.device).scatter_reduce(0, mb, d, "amax"))
+    return Pending(torch.cat(vec), meta)
 
-    x, y = (fa, fb) if all_fin else (fa[fin], fb[fin])
-    d = np.abs(x - y)
-    sum_d2, sum_b2, sum_a2, sum_ab = float(d @ d), float(y @ y), float(x @ x), float(x @ y)
-    max_abs = math.inf if any_bad else (float(d.max()) if d.size else 0.0)
-    mean_abs = float(d.sum()) / d.size if d.size else 0.0
 
+def _decode(v: list[float], meta: dict) -> dict:
+    s = dict(zip(_SCAL, v[:_NU]))
+    n = meta["n"]
+    any_bad = s["any_bad"] > 0
+    n_fin = int(s["n_fin"])
+    sum_d2, sum_b2, sum_a2, sum_ab = s["sum_d2"], s["sum_b2"], s["sum_a2"], s["sum_ab"]
+    max_abs = math.inf if any_bad else (s["max_d"] if n_fin else 0.0)
     rel_l2 = _ratio(math.sqrt(sum_d2), math.sqrt(sum_b2), 0.0, math.inf)
     na, nb = math.sqrt(sum_a2), math.sqrt(sum_b2)
     if na > 0 and nb > 0:
@@ -232,72 +302,41 @@ def compare(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol_rms:
         sqnr = -math.inf
     else:
         sqnr = 10.0 * math.log10(sum_b2 / sum_d2)
-    calc_diff = _ratio(sum_a2 + sum_b2 - 2.0 * sum_ab, sum_a2 + sum_b2, 0.0, 0.0)
-    scale_err = _ratio(sum_ab - sum_b2, sum_b2, 0.0, math.inf)
-
-    # per-element errors, scattered back to full length (non-finite pairs: 0 or inf)
-    ref_rms = math.sqrt(sum_b2 / y.size) if y.size else 0.0
-    # ulps of the reference, floored at ULP_FLOOR_RMS * rms(b) (see module doc)
-    floor = ULP_FLOOR_RMS * ref_rms
-    if all_fin:
-        err_full = d
-        # a bf16 reference is its own bf16 value: skip the rounding
-        ulp_full = d if is_int else d / bf16_ulp(fb if b.dtype == torch.bfloat16 else b, floor).reshape(-1)
-    else:
-        err_full = np.zeros(n)
-        err_full[fin] = d
-        ulp_full = np.zeros(n)
-        ulp_full[fin] = d if is_int else d / bf16_ulp(b, floor).reshape(-1)[fin]
-        ulp_full[nonfin_bad] = math.inf
-    max_ulp = float(ulp_full.max())
-
-    absy = np.abs(y)
-    n_ok = int(np.count_nonzero(d <= atol + atol_rms * ref_rms + rtol * absy))
-    if not all_fin:
-        n_ok += int(np.count_nonzero(value_eq & ~fin))
-    mismatch = (n - n_ok) / n
-
+    n_differ = int(s["n_differ"])
     out = dict(
-        n=n, shape=list(a.shape), dtype_a=_dn(a), dtype_b=_dn(b), dtype_match=dtype_match,
-        exact=dtype_match and n_differ == 0, n_differ=n_differ,
-        exact_frac=n_eq / n,
-        max_abs=max_abs, mean_abs=mean_abs, rel_l2=rel_l2, cosine=cosine, sqnr_db=sqnr,
-        calc_diff=calc_diff, scale_err=scale_err, max_ulp=max_ulp, mismatch_frac=mismatch,
-        atol=float(atol), rtol=float(rtol),
-        nan_a=nan_a, inf_a=inf_a, nan_b=nan_b, inf_b=inf_b,
-        ref_absmax=float(absy.max()) if y.size else 0.0,
-        ref_rms=ref_rms, atol_rms=float(atol_rms),
+        n=n, shape=meta["shape"], dtype_a=meta["dtype_a"], dtype_b=meta["dtype_b"], dtype_match=meta["dtype_match"],
+        exact=meta["dtype_match"] and n_differ == 0, n_differ=n_differ, exact_frac=s["n_eq"] / n,
+        max_abs=max_abs, mean_abs=s["sum_d"] / n_fin if n_fin else 0.0, rel_l2=rel_l2, cosine=cosine,
+        sqnr_db=sqnr, calc_diff=_ratio(sum_a2 + sum_b2 - 2.0 * sum_ab, sum_a2 + sum_b2, 0.0, 0.0),
+        scale_err=_ratio(sum_ab - sum_b2, sum_b2, 0.0, math.inf), max_ulp=s["max_ulp"],
+        mismatch_frac=(n - s["n_ok"]) / n, atol=meta["atol"], rtol=meta["rtol"],
+        nan_a=int(s["nan_a"]), inf_a=int(s["inf_a"]), nan_b=int(s["nan_b"]), inf_b=int(s["inf_b"]),
+        ref_absmax=s["absmax_y"] if n_fin else 0.0, ref_rms=math.sqrt(sum_b2 / n_fin) if n_fin else 0.0,
+        atol_rms=meta["atol_rms"],
     )
-    if not detail:
+    if not meta["detail"]:
         return out
-    if any_bad:
-        wi = int(np.flatnonzero(nonfin_bad)[0])
-    else:
-        wi = int(np.argmax(err_full)) if max_abs > 0 else None
-    wu = int(np.argmax(ulp_full)) if max_ulp > 0 else None
-    bins = np.searchsorted(_ULP_EDGES, ulp_full, side="left") + 1
-    bins[ulp_full == 0] = 0
-    if any_bad:
-        bins[nonfin_bad] = len(ULP_BINS) - 1
-    out.update(worst=None if wi is None else locate(wi, a.shape, names),
-               worst_a=None if wi is None else float(fa[wi]),
-               worst_b=None if wi is None else float(fb[wi]),
-               worst_ulp=None if wu is None else locate(wu, a.shape, names),
-               ulp_hist=np.bincount(bins, minlength=len(ULP_BINS)).tolist(), mag_err=_mag_err(y, d))
+    wi, wa, wb, wu = v[_NU:_NU + 4]
+    p = _NU + 4
+    hist = [int(c) for c in v[p:p + _NH]]
+    cnt = [int(c) for c in v[p + _NH:p + _NH + _NM]]
+    mx = [float(c) for c in v[p + _NH + _NM:p + _NH + 2 * _NM]]
+    differs = any_bad or max_abs > 0
+    shape, names = meta["shape"], meta["names"]
+    out.update(worst=locate(int(wi), shape, names) if differs else None,
+               worst_a=float(wa) if differs else None, worst_b=float(wb) if differs else None,
+               worst_ulp=locate(int(wu), shape, names) if out["max_ulp"] > 0 else None,
+               ulp_hist=hist, mag_err={"count": cnt, "max_abs": mx})
     return out
 
 
-def _mag_err(y: np.ndarray, d: np.ndarray) -> dict:
-    """|a-b| binned by |b| (MAG_BINS): element count and max error per bin."""
-    k = len(MAG_BINS)
-    if y.size == 0:
-        return _mag_empty()
-    mag = np.abs(y)
-    bins = np.searchsorted(_MAG_EDGES, mag, side="left") + 1
-    bins[mag == 0] = 0
-    mx = np.zeros(k)
-    np.maximum.at(mx, bins, d)
-    return {"count": np.bincount(bins, minlength=k).tolist(), "max_abs": mx.tolist()}
+def compare(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol_rms: float = 0.0,
+            detail: bool = True) -> dict:
+    """Metrics of candidate `a` against reference `b` (any equal shape). See module doc.
+
+    detail=False leaves out worst locations, ulp_hist and mag_err: enough for oracle and noise
+    comparisons, which only feed ratios. Computed on a's device; one host transfer."""
+    return compare_lazy(a, b, dims, atol, rtol, atol_rms, detail).result()
 
 
 def scalars(m: dict) -> dict:
@@ -306,39 +345,52 @@ def scalars(m: dict) -> dict:
     return {k: v for k, v in m.items() if k in keep}
 
 
-def compare_routing(ids_a, ids_b, keys, tie_eps: float, dims="topk_ids") -> dict:
+TIE_M = 2.0  # a backend's key may sit as far from the oracle's as the reference's, on the other side
+
+
+def compare_routing(ids_a, ids_b, keys, tie_eps: float, dims="topk_ids", key_err=None) -> dict:
     """Top-k picks of candidate `ids_a` vs reference `ids_b`, [S, K] ints, as sets per token.
 
     A token whose sets differ is *tied* when every expert in the symmetric difference has
-    an oracle key within `tie_eps` of the oracle's K-th largest key of that token (the
-    boundary): then either choice is right and downstream stages are judged with the
-    reference forced to the candidate's picks. Keys added to compare(ids_a, ids_b):
-    sets_equal (bool), set_diff_tokens, tied_tokens (list: force these), untied_tokens (count; must be 0),
-    untied_list, boundary_gap (max over differing tokens of the largest |key - K-th key|
-    among swapped experts), tie_eps.
+    an oracle key within the token's window of the oracle's K-th largest key of that token
+    (the boundary): then either choice is right and downstream stages are judged with the
+    reference forced to the candidate's picks. The window is `tie_eps` (the policy's cap); with
+    `key_err` [S, E] (|key_ref - key_oracle|, the reference's own key error) it narrows per
+    token to TIE_M x the largest key error among the swapped experts and the K-th one.
+    Keys added to compare(ids_a, ids_b): sets_equal (bool), set_diff_tokens, tied_tokens (list:
+    force these), untied_tokens (count; must be 0), untied_list, boundary_gap (max over
+    differing tokens of the largest |key - K-th key| among swapped experts), tie_eps,
+    tie_window (the widest window a differing token got).
     """
     ia, ib = _t(ids_a).to(torch.int64), _t(ids_b).to(torch.int64)
     m = compare(ia, ib, dims=dims)
-    kk = _t(keys).to(F64).to(ia.device)
+    kk = _t(keys).to(F64).cpu()
+    ke = None if key_err is None else _t(key_err).to(F64).cpu()
+    ia, ib = ia.cpu(), ib.cpu()
     if kk.dim() != 2 or kk.shape[0] != ia.shape[0]:
         raise ShapeMismatch(f"keys shape {tuple(kk.shape)} does not match ids {tuple(ia.shape)}")
     K = ia.shape[1] if ia.dim() == 2 else 0
-    tied, untied, gap_max = [], [], 0.0
+    tied, untied, gap_max, win_max = [], [], 0.0, 0.0
     for t in range(ia.shape[0]):
         sa, sb = set(ia[t].tolist()), set(ib[t].tolist())
         sym = sa ^ sb
         if not sym:
             continue
-        kth = float(torch.topk(torch.nan_to_num(kk[t], nan=-math.inf), K).values[-1])
+        top = torch.topk(torch.nan_to_num(kk[t], nan=-math.inf), K)
+        kth, kth_e = float(top.values[-1]), int(top.indices[-1])
         bad = [e for e in sym if not 0 <= e < kk.shape[1]]
         gap = math.inf if bad else max(abs(float(kk[t, e]) - kth) for e in sym)
         if math.isnan(gap):
             gap = math.inf
-        gap_max = max(gap_max, gap)
-        (tied if gap <= tie_eps else untied).append(t)
+        win = tie_eps
+        if ke is not None and not bad:
+            own = max(float(ke[t, e]) for e in sym | {kth_e})
+            win = min(tie_eps, TIE_M * own) if math.isfinite(own) else tie_eps
+        gap_max, win_max = max(gap_max, gap), max(win_max, win)
+        (tied if gap <= win else untied).append(t)
     m.update(sets_equal=not (tied or untied), set_diff_tokens=len(tied) + len(untied), tied_tokens=tied,
              untied_tokens=len(untied),
-             untied_list=untied, boundary_gap=gap_max, tie_eps=float(tie_eps))
+             untied_list=untied, boundary_gap=gap_max, tie_eps=float(tie_eps), tie_window=win_max)
     return m
 
 
@@ -355,6 +407,6 @@ def align_by_ids(ids_a, vals_a, ids_b) -> torch.Tensor:
     return va
 
 
-__all__ = ["compare", "compare_routing", "scalars", "align_by_ids", "bf16_ulp", "dim_names", "locate",
+__all__ = ["compare", "compare_lazy", "resolve", "Pending", "compare_routing", "scalars", "align_by_ids", "bf16_ulp", "dim_names", "locate",
            "ShapeMismatch", "SCALAR_METRICS", "HIGHER_IS_BETTER", "ULP_EDGES", "ULP_BINS",
            "MAG_EDGES", "MAG_BINS"]

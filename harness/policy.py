@@ -23,11 +23,15 @@ Policy file (TOML; docs/tolerances.md explains every number):
     [defaults]                                  # every output starts from these
     [stage.<stage>.<output>]                    # criteria of one output (chained view)
     [format.<fmt>.stage.<stage>.<output>]       # override for one expert format
+    [config.<preset>.stage.<stage>.<output>]    # chained limits derived for one config preset
+    [config.<preset>.format.<fmt>.stage.<stage>.<output>]
     [view.isolated.stage.<stage>.<output>]      # override for the isolated view
     [format.<fmt>.view.isolated.stage.<stage>.<output>]
 
-Merging, later wins: defaults, stage entry, format entry, view entry, format+view
-entry; a key set to `false` in a later layer removes that criterion. Stages and
+Merging, later wins: defaults, stage entry, format entry, config entry, config+format entry,
+view entry, format+view entry; a key set to `false` in a later layer removes that criterion.
+Any entry may carry `why = "..."`: where its numbers came from (`k3verify policy derive`
+writes them); `Policy.why(...)` lists them. Stages and
 outputs are listed in `STAGES`; an unknown stage, output, format, view or criterion,
 or a value of the wrong type or range, raises `harness.errors.InputError` naming the
 key path and the file.
@@ -49,13 +53,13 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "golden" / "tolerances.toml"
 
-K1_OUTPUTS = ("prefix", "blocks", "conv_carry", "conv_state", "rstate", "core_out")
+K1_OUTPUTS = ("prefix", "blocks", "conv_carry", "conv_state", "rstate", "core_out", "core_pad")
 K1_TAPS = ("x", "proj", "conv_out", "gate", "beta", "o")
 K2_OUTPUTS = ("prefix", "out", "out_ranks")
 K2_TAPS = ("delta", "x", "logits", "topk_ids", "topk_w", "lat", "sh", "y", "ln", "fin")
 # Outputs and taps in dataflow order (reports list them so).
 _K1_FLOW = ("prefix", "blocks", "x", "proj", "conv_out", "conv_carry", "conv_state", "gate", "beta", "o",
-            "rstate", "core_out")
+            "rstate", "core_out", "core_pad")
 _K2_FLOW = ("delta", "prefix", "x", "logits", "topk_ids", "topk_w", "lat", "sh", "y", "ln", "fin", "out",
             "out_ranks")
 assert set(_K1_FLOW) == set(K1_OUTPUTS + K1_TAPS) and set(_K2_FLOW) == set(K2_OUTPUTS + K2_TAPS)
@@ -65,6 +69,8 @@ assert set(_K1_FLOW) == set(K1_OUTPUTS + K1_TAPS) and set(_K2_FLOW) == set(K2_OU
 #   k1/conv_carry  the W-2 window entries carried into the written conv slots (bit-exact)
 #   k1/conv_state  the L new in_proj values written into the conv slots
 #   k1/rstate      the recurrent states written (fp32)
+#   k1/core_out    core_out of the real requests; K1 taps are judged on those rows too
+#   k1/core_pad    core_out of the padding requests (start slot <= 0): the contract fixes it to 0
 #   k2/out_ranks   rank r's `out` against rank 0's (must be bit-identical on every rank)
 #   untouched/*    everything the step must not write, poisoned before the launch:
 #                  conv_state / rstate slots and positions, bank rows K1 does not write
@@ -74,6 +80,30 @@ STAGES: dict[str, tuple[str, ...]] = {
     "k1": _K1_FLOW,
     "k2": _K2_FLOW,
     "untouched": ("conv_state", "rstate", "blocks", "k2_blocks"),
+}
+_FLOW_INDEX = {(st, o): i for i, (st, o) in enumerate([("k1", o) for o in _K1_FLOW] + [("k2", o) for o in _K2_FLOW]
+                                                      + [("untouched", o) for o in STAGES["untouched"]])}
+
+
+def flow_index(stage: str, output: str) -> int:
+    """Position of a stage output in the dataflow (K1 then K2; untouched memory last)."""
+    return _FLOW_INDEX.get((stage, output), len(_FLOW_INDEX))
+
+
+# Words for a report: what each stage output is (the tap name follows in parentheses).
+STAGE_WORDS = {
+    ("k1", "prefix"): "pending delta add", ("k1", "blocks"): "block write", ("k1", "x"): "AttnRes + input norm",
+    ("k1", "proj"): "in_proj", ("k1", "conv_out"): "short conv", ("k1", "conv_carry"): "conv window carry",
+    ("k1", "conv_state"): "conv state write", ("k1", "gate"): "decay gate", ("k1", "beta"): "beta gate",
+    ("k1", "o"): "KDA recurrence", ("k1", "rstate"): "recurrent state write", ("k1", "core_out"): "gated norm",
+    ("k1", "core_pad"): "padding rows (must be 0)",
+    ("k2", "delta"): "o_proj + all-reduce", ("k2", "prefix"): "prefix update", ("k2", "x"): "MLP AttnRes + norm",
+    ("k2", "logits"): "router logits", ("k2", "topk_ids"): "top-k selection", ("k2", "topk_w"): "routing weights",
+    ("k2", "lat"): "latent down", ("k2", "sh"): "shared experts", ("k2", "y"): "routed experts",
+    ("k2", "ln"): "latent all-reduce + norm", ("k2", "fin"): "up projection", ("k2", "out"): "final all-reduce",
+    ("k2", "out_ranks"): "ranks agree",
+    ("untouched", "conv_state"): "conv cache", ("untouched", "rstate"): "recurrent cache",
+    ("untouched", "blocks"): "bank rows (K1)", ("untouched", "k2_blocks"): "bank (K2)",
 }
 
 # criterion -> (metric read, direction); "<=": value <= limit passes, ">=": value >= limit,
@@ -118,6 +148,7 @@ CRITERIA: dict[str, tuple[str, float | None, float | None]] = {
     "noise_floor": (_NUM, 0.0, None),
     "noise_metric": (_STR, None, None),
     "tie_eps": (_NUM, 0.0, None),
+    "why": (_STR, None, None),  # where the entry's numbers came from (provenance; not judged)
 }
 # Parameters, not criteria: a `false` cannot remove them, they always have a value.
 BUILTIN_DEFAULTS = {"finite": True, "atol": 0.0, "rtol": 1.6e-2, "atol_rms": 0.0, "oracle_metric": "rel_l2",
@@ -167,26 +198,30 @@ class Policy:
         self._data = data
         self.version = _validate(data, self.path)
         self.defaults = {**BUILTIN_DEFAULTS, **data.get("defaults", {})}
-        # (fmt or None, view or None, stage, output) -> entry
+        # (config or None, fmt or None, view or None, stage, output) -> entry
         self._entries: dict[tuple, dict] = {}
-        for f, top in [(None, data)] + list(data.get("format", {}).items()):
-            for v, tab in [(None, top)] + list(top.get("view", {}).items()):
-                for s, outs in tab.get("stage", {}).items():
-                    for o, c in outs.items():
-                        self._entries[(f, v, s, o)] = dict(c)
+        tops = [(None, data)] + list(data.get("config", {}).items())
+        for c, ctop in tops:
+            for f, top in [(None, ctop)] + list(ctop.get("format", {}).items()):
+                for v, tab in [(None, top)] + list(top.get("view", {}).items()):
+                    for st, outs in tab.get("stage", {}).items():
+                        for o, e in outs.items():
+                            self._entries[(c, f, v, st, o)] = {k: x for k, x in e.items() if k != "why"}
         self._cache: dict = {}
 
-    def criteria(self, stage: str, output: str, fmt: str | None = None, view: str = "chained") -> dict:
-        """Merged criteria of stage/output for expert format `fmt` (None: no format override)
-        in `view` ("chained" | "isolated")."""
-        key = (stage, output, fmt, view)
+    def criteria(self, stage: str, output: str, fmt: str | None = None, view: str = "chained",
+                 config: str | None = None) -> dict:
+        """Merged criteria of stage/output for expert format `fmt` (None: no format override) in
+        `view` ("chained" | "isolated") for captures of preset `config` (None: no config override)."""
+        key = (stage, output, fmt, view, config)
         if key not in self._cache:
             _check_name(stage, output, fmt, self.path)
             if view not in VIEWS:
                 raise InputError("view", f"unknown view {view!r} (known: {', '.join(VIEWS)})", self.path)
             merged = dict(self.defaults)
-            order = [(None, None), (fmt, None), (None, view), (fmt, view)]
-            for layer in (self._entries.get((f, v, stage, output), {}) for f, v in order):
+            order = [(None, None, None), (None, fmt, None), (config, None, None), (config, fmt, None),
+                     (None, None, view), (None, fmt, view)]
+            for layer in (self._entries.get((c, f, v, stage, output), {}) for c, f, v in order):
                 for k, v in layer.items():
                     if v is False and k not in ("exact", "finite"):
                         merged.pop(k, None)
@@ -197,12 +232,27 @@ class Policy:
             self._cache[key] = merged
         return dict(self._cache[key])
 
-    def compare_kw(self, stage: str, output: str, fmt: str | None = None, view: str = "chained") -> dict:
-        c = self.criteria(stage, output, fmt, view)
+    def why(self, stage: str, output: str, fmt: str | None = None, view: str = "chained",
+            config: str | None = None) -> list[str]:
+        """The provenance notes (`why`) of every layer that shaped this entry, general first."""
+        out = []
+        for c, f, v in [(None, None, None), (None, fmt, None), (config, None, None), (config, fmt, None),
+                        (None, None, view), (None, fmt, view)]:
+            tab = self._data
+            for part in ([("config", c)] if c else []) + ([("format", f)] if f else []) + ([("view", v)] if v else []):
+                tab = tab.get(part[0], {}).get(part[1], {})
+            w = tab.get("stage", {}).get(stage, {}).get(output, {}).get("why")
+            if w and w not in out:
+                out.append(w)
+        return out
+
+    def compare_kw(self, stage: str, output: str, fmt: str | None = None, view: str = "chained",
+                   config: str | None = None) -> dict:
+        c = self.criteria(stage, output, fmt, view, config)
         return {"atol": float(c["atol"]), "rtol": float(c["rtol"]), "atol_rms": float(c["atol_rms"])}
 
-    def tie_eps(self, fmt: str | None = None) -> float:
-        return float(self.criteria("k2", "topk_ids", fmt).get("tie_eps", 0.0))
+    def tie_eps(self, fmt: str | None = None, config: str | None = None) -> float:
+        return float(self.criteria("k2", "topk_ids", fmt, "chained", config).get("tie_eps", 0.0))
 
     def missing(self, fmt: str | None = None) -> list[tuple[str, str]]:
         """Stage outputs with no criterion beyond `finite` (they would pass on anything)."""
@@ -217,14 +267,16 @@ class Policy:
 def load_policy(path=None) -> Policy:
     """Read and validate a TOML policy; None -> DEFAULT_POLICY."""
     p = Path(path) if path is not None else DEFAULT_POLICY
+    if p.exists() and not p.is_file():
+        raise InputError("policy", "not a regular file", where=str(p))
     try:
         raw = p.read_bytes()
     except OSError as e:
         raise InputError("policy", f"cannot read: {e.strerror or e}", where=str(p)) from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise InputError("policy", f"not valid TOML: {e}", where=str(p)) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError("policy", f"not valid TOML: {str(e)[:200] or type(e).__name__}", where=str(p)) from None
     return Policy(data, str(p))
 
 
@@ -254,28 +306,49 @@ def _check_views(views, path: str, where: str) -> None:
 
 def _validate(data: dict, where: str) -> int:
     for k in data:
-        if k not in ("version", "defaults", "stage", "format", "view"):
-            raise InputError(k, "unknown top-level key (known: version, defaults, stage, format, view)", where)
+        if k not in ("version", "defaults", "stage", "format", "view", "config"):
+            raise InputError(k, "unknown top-level key (known: version, defaults, stage, format, view, config)",
+                             where)
     version = data.get("version", 1)
     if version != 1:
         raise InputError("version", f"unsupported policy version {version!r} (supported: 1)", where)
     _check_entry(data.get("defaults", {}), "defaults", where)
     _check_stages(data.get("stage", {}), "stage", where)
     _check_views(data.get("view", {}), "view", where)
-    fmts = data.get("format", {})
+    _check_formats(data.get("format", {}), "format", where, views=True)
+    cfgs = data.get("config", {})
+    if not isinstance(cfgs, dict):
+        raise InputError("config", "must be a table", where)
+    from ref.config import PRESETS
+
+    for c, v in cfgs.items():
+        if c not in PRESETS:
+            raise InputError(f"config.{c}", f"unknown config preset (known: {', '.join(PRESETS)})", where)
+        if not isinstance(v, dict):
+            raise InputError(f"config.{c}", "must be a table", where)
+        for k in v:
+            if k not in ("stage", "format"):
+                raise InputError(f"config.{c}.{k}", "unknown key (known: stage, format)", where)
+        _check_stages(v.get("stage", {}), f"config.{c}.stage", where)
+        _check_formats(v.get("format", {}), f"config.{c}.format", where, views=False)
+    return version
+
+
+def _check_formats(fmts, path: str, where: str, views: bool) -> None:
     if not isinstance(fmts, dict):
-        raise InputError("format", "must be a table", where)
+        raise InputError(path, "must be a table", where)
+    known = ("stage", "view") if views else ("stage",)
     for f, v in fmts.items():
         if f not in EXPERT_FORMATS:
-            raise InputError(f"format.{f}", f"unknown expert format (known: {', '.join(EXPERT_FORMATS)})", where)
+            raise InputError(f"{path}.{f}", f"unknown expert format (known: {', '.join(EXPERT_FORMATS)})", where)
         if not isinstance(v, dict):
-            raise InputError(f"format.{f}", "must be a table", where)
+            raise InputError(f"{path}.{f}", "must be a table", where)
         for k in v:
-            if k not in ("stage", "view"):
-                raise InputError(f"format.{f}.{k}", "unknown key (known: stage, view)", where)
-        _check_stages(v.get("stage", {}), f"format.{f}.stage", where)
-        _check_views(v.get("view", {}), f"format.{f}.view", where)
-    return version
+            if k not in known:
+                raise InputError(f"{path}.{f}.{k}", f"unknown key (known: {', '.join(known)})", where)
+        _check_stages(v.get("stage", {}), f"{path}.{f}.stage", where)
+        if views:
+            _check_views(v.get("view", {}), f"{path}.{f}.view", where)
 
 
 def _check_stages(stages, path: str, where: str) -> None:
@@ -355,9 +428,11 @@ def noise_spread(noise) -> dict[str, float]:
 
 
 def judge(policy: Policy, stage: str, output: str, fmt: str | None, metrics: dict,
-          oracle: dict | None = None, noise=None, view: str = "chained") -> list[CriterionResult]:
-    """Apply the policy entry of stage/output (format `fmt`, `view`) to `metrics` (fast vs ref)."""
-    crit = policy.criteria(stage, output, fmt, view)
+          oracle: dict | None = None, noise=None, view: str = "chained", config: str | None = None
+          ) -> list[CriterionResult]:
+    """Apply the policy entry of stage/output (format `fmt`, `view`, preset `config`) to `metrics`
+    (fast vs ref)."""
+    crit = policy.criteria(stage, output, fmt, view, config)
     out: list[CriterionResult] = []
     if crit.get("finite", True):
         nonfinite = sum(int(metrics.get(k, 0)) for k in ("nan_a", "inf_a", "nan_b", "inf_b"))
@@ -401,5 +476,6 @@ def judge(policy: Policy, stage: str, output: str, fmt: str | None, metrics: dic
     return out
 
 
-__all__ = ["Policy", "load_policy", "judge", "passed", "noise_spread", "CriterionResult", "STAGES",
+__all__ = ["Policy", "load_policy", "judge", "passed", "noise_spread", "CriterionResult", "STAGES", "STAGE_WORDS",
+           "flow_index",
            "CRITERIA", "THRESHOLDS", "ERROR_METRICS", "DEFAULT_POLICY"]

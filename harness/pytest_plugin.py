@@ -11,7 +11,8 @@ Triton interpret tier covers the twin there). `--captures` defaults to the golde
 Fixtures: `capture_set` (one capture-set folder per test id), `k3_backend` (the backend spec
 of this test; skips with the backend's reason when it is not available here, e.g. "no ROCm
 device"), `k3_policy`, `k3_device`, `k3_seed` (from the test id), `k3_replay` (replays one
-capture set with the test's seed and returns the judged results.Run).
+capture set, chained and isolated, with the test's seed and the backend under --k3-timeout,
+and returns the judged results.Run).
 
 Bad options are usage errors (pytest exit code 4), never a green skip: a --captures folder
 that does not exist or holds no capture sets, a --backend that cannot be loaded.
@@ -34,7 +35,7 @@ MARKERS = {
     "multi_gpu": "needs several GPUs",
     "slow": "takes more than a few seconds",
 }
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "set"
 
 
 def pytest_addoption(parser):
@@ -46,6 +47,9 @@ def pytest_addoption(parser):
                                                   "flydsl | package.module:object")
     g.addoption("--policy", default=None, help="tolerance policy TOML (default golden/tolerances.toml)")
     g.addoption("--k3-device", default=None, help="torch device for replays (default: cuda if present, else cpu)")
+    g.addoption("--k3-timeout", default=None, type=float,
+                help="seconds a backend may take per capture set (default 600): a hung backend fails its test "
+                     "by the limit and the xdist node goes on")
 
 
 def gpu_ids(env=os.environ) -> list[str]:
@@ -196,12 +200,17 @@ def k3_policy(request):
 
 
 @pytest.fixture
-def k3_replay(k3_backend, k3_policy, k3_device, k3_seed):
-    """replay(capture_set, **kw) -> results.Run through the test's backend, poisons seeded by the test id."""
+def k3_replay(request, k3_backend, k3_policy, k3_device, k3_seed):
+    """replay(capture_set, **kw) -> results.Run through the test's backend, both views, poisons
+    seeded by the test id, the backend under the time limit (--k3-timeout)."""
+    from .engine import DEFAULT_TIMEOUT
     from .replay import replay
+
+    timeout = request.config.getoption("--k3-timeout") or DEFAULT_TIMEOUT
 
     def run(capture_set, **kw):
         kw.setdefault("seed", k3_seed)
+        kw.setdefault("timeout", timeout)
         return replay([capture_set], k3_backend, k3_device, k3_policy, progress=False, **kw)
 
     return run

@@ -1,25 +1,28 @@
 """`k3verify replay DIR --backend B`: replay captured decode steps through a backend and
-the reference, judge every stage against the tolerance policy, write reports.
+the reference, judge every stage in both views (chained and isolated) against the
+tolerance policy, write reports.
 
-Exit 0 when every criterion holds, 1 when any fails, 2 for bad input or usage.
+Exit codes: 0 every criterion held, 1 the numerics failed, 2 bad input or usage, 3 the
+harness could not finish (a capture hit the time limit, a report could not be written).
 
 Library use::
 
-    run = replay("golden/", "triton", device="cuda", isolate=True)   # -> results.Run
-    run.passed
+    run = replay("golden/", "triton", device="cuda")   # -> results.Run
+    run.passed, run.exit_code()
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .engine import Step, run_step
-from .errors import InputError
+from .engine import DEFAULT_TIMEOUT, Step, run_step
+from .errors import EXIT_HELP, EXIT_INCOMPLETE, Incomplete, InputError
 
 
 def step_from_set(cs, device) -> Step:
@@ -29,47 +32,121 @@ def step_from_set(cs, device) -> Step:
         k1 = [cs.k1_args(r, device, layout="compact", poison=False) for r in cs.ranks]
     k2 = cs.k2_world_args(device)
     return Step(cs.name, cs.layer, cs.kind, cs.step, cs.world, cs.fmt, cs.k1_key, cs.k2_key, k1, k2,
-                meta={"path": str(cs.path)})
+                meta={"path": str(cs.path), "config": cs.config_name})
+
+
+def _remap_rows(m: dict, rows) -> None:
+    """Token indices of a row subset back to the full tensor's."""
+    if rows is None:
+        return
+    for k in ("worst", "worst_ulp"):
+        loc = m.get(k)
+        if loc and "token" in loc:
+            loc["token"] = rows[loc["token"]]
 
 
 def judge_run(step_run, policy, cap) -> None:
-    """Turn the engine's pairs into judged Comparisons on `cap` (a results.CaptureResult)."""
-    from .metrics import compare
+    """Turn the engine's pairs into judged Comparisons on `cap` (a results.CaptureResult): every
+    metric computed on the pairs' device, one host transfer for the whole step. A pair that
+    cannot be compared (a tap of the wrong shape) is a capture error, not a traceback."""
+    from .metrics import ShapeMismatch, compare_lazy, resolve
     from .results import Comparison
 
     st = step_run.step
+    config = st.meta.get("config")
+    jobs, pending = [], []
     for p in step_run.pairs:
-        if p.stage == "k2" and p.name == "topk_ids" and p.view == "chained" and p.rank in step_run.routing:
-            m = step_run.routing[p.rank]
-        else:
-            m = compare(p.cand, p.ref, p.dims, **policy.compare_kw(p.stage, p.name, st.fmt, p.view))
-        oracle = None
-        if p.oracle is not None and p.cand.is_floating_point():
-            oracle = {"fast": compare(p.cand, p.oracle, p.dims, detail=False),
-                      "ref": compare(p.ref, p.oracle, p.dims, detail=False)}
-        noise = [compare(n, p.ref, p.dims, detail=False) for n in p.noise] if p.noise else None
+        try:
+            routing = p.stage == "k2" and p.name == "topk_ids" and p.view == "chained" and p.rank in step_run.routing
+            kw = policy.compare_kw(p.stage, p.name, st.fmt, p.view, config)
+            main = None if routing else compare_lazy(p.cand, p.ref, p.dims, **kw)
+            orc = None
+            if p.oracle is not None and p.cand.is_floating_point():
+                orc = (compare_lazy(p.cand, p.oracle, p.dims, detail=False),
+                       compare_lazy(p.ref, p.oracle, p.dims, detail=False))
+            noise = [compare_lazy(n, p.ref, p.dims, detail=False) for n in p.noise]
+        except ShapeMismatch as e:
+            cap.errors.append(f"{p.stage}/{p.name} ({p.view}) rank {p.rank}: the backend's tensor has the wrong "
+                              f"shape: {e}")
+            continue
+        jobs.append((p, routing, main, orc, noise))
+        pending += [x for x in (main,) + (orc or ()) + tuple(noise) if x is not None]
+    done = dict(zip(map(id, pending), resolve(pending)))
+    for p, routing, main, orc, noise in jobs:
+        m = step_run.routing[p.rank] if routing else done[id(main)]
+        _remap_rows(m, p.rows)
+        oracle = None if orc is None else {"fast": done[id(orc[0])], "ref": done[id(orc[1])]}
+        nz = [done[id(n)] for n in noise] or None
         cap.comparisons.append(Comparison.judged(
             policy, capture=cap.id, layer=st.layer, kind=st.kind, step=st.step, rank=p.rank, stage=p.stage,
-            output=p.name, view=p.view, fmt=st.fmt, metrics=m, oracle=oracle, noise=noise, note=p.note))
+            output=p.name, view=p.view, fmt=st.fmt, metrics=m, oracle=oracle, noise=nz, note=p.note,
+            config=config))
 
 
 def resolve_device(device: str | None) -> str:
-    if device:
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """--device -> a torch device string; a device this machine lacks is bad input."""
+    if not device:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError("--device", f"{device!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    if d.type == "cpu":
+        return str(d)
+    if d.type != "cuda":
+        raise InputError("--device", f"{device!r}: k3verify replays on cpu or cuda (ROCm is 'cuda' in torch)")
+    if not torch.cuda.is_available():
+        raise InputError("--device", f"{device!r} asked for, but torch sees no CUDA/ROCm device here")
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        raise InputError("--device", f"{device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return str(d)
 
 
-def replay(captures, backend_spec: str = "ref", device: str | None = None, policy_path=None, isolate=False,
-           noise: int = 0, progress: bool = True, limit: int | None = None, seed: int = 0):
+_SET_RE = re.compile(r"^s(\d+)_l(\d+)$")
+
+
+def corpus_order(paths) -> list[Path]:
+    """A layer's steps together (its weights stay loaded): by folder, layer, then step."""
+    def key(p: Path):
+        m = _SET_RE.match(p.name)
+        return (str(p.parent), 0, int(m.group(2)), int(m.group(1))) if m else (str(p.parent), 1, 0, 0)
+
+    return sorted((Path(p) for p in paths), key=key)
+
+
+def _device_alive(device: str, wait: float = 10.0) -> bool:
+    """After a time limit: does the device still answer (a hung kernel blocks every later launch)?"""
+    if not device.startswith("cuda"):
+        return True
+    from .engine import BackendTimeout, _deadline
+
+    try:
+        _deadline(lambda: torch.cuda.synchronize(torch.device(device)), wait, "device synchronize")
+        return True
+    except BackendTimeout:
+        return False
+
+
+def replay(captures, backend_spec: str = "ref", device: str | None = None, policy_path=None, isolate: bool = True,
+           noise: int = 0, progress: bool = True, limit: int | None = None, seed: int = 0,
+           timeout: float | None = DEFAULT_TIMEOUT):
     """Replay every capture set under `captures` (a folder, or a list of set folders).
 
-    seed: the poisons of set i are drawn from seed + i (the pytest plugin passes the test id's)."""
-    from fast import available, backend_name, load_backend, BackendError
+    seed: the poisons of set i are drawn from seed + i (the pytest plugin passes the test id's).
+    timeout: seconds the backend may take for one capture set (None: no limit); a set that
+    runs over fails with the reason and the run goes on (exit 3)."""
+    from fast import BackendError, available, backend_name, load_backend
 
     from .capture import discover, load_set
     from .policy import load_policy
     from .results import CaptureResult, Run, collect_env
 
+    if limit is not None and limit < 1:
+        raise InputError("--limit", f"{limit} < 1")
+    if noise < 0:
+        raise InputError("--noise", f"{noise} < 0")
+    if timeout is not None and not timeout > 0:
+        raise InputError("--timeout", f"{timeout} is not a positive number of seconds")
     try:
         backend = load_backend(backend_spec)
     except BackendError as e:
@@ -88,33 +165,43 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
             raise InputError("captures", f"no capture sets under {root}")
     else:
         paths = [Path(p) for p in captures]
+    paths = corpus_order(paths)
     if limit:
         paths = paths[:limit]
     name = backend_name(backend, backend_spec)
     run = Run(backend=name, device=_device_label(device), arch=_arch(device), env=collect_env(backend, device),
               policy=str(policy.path), options={"isolate": isolate, "noise": noise, "captures": str(captures),
-                                                "backend_spec": backend_spec})
+                                                "backend_spec": backend_spec, "timeout": timeout})
     t_run = time.perf_counter()
     it = paths
     if progress:
         from tqdm import tqdm
 
         it = tqdm(paths, desc=f"replay [{name}]", unit="set", file=sys.stderr, leave=False)
+    wedged = None
     for i, path in enumerate(it):
         t0 = time.perf_counter()
         cs = load_set(path)
-        step = step_from_set(cs, device)
         cap = CaptureResult(id=cs.name, fmt=cs.fmt, layer=cs.layer, kind=cs.kind, step=cs.step, world=cs.world)
+        run.captures.append(cap)
+        if wedged:
+            cap.aborted = f"not run: {wedged}"
+            continue
+        step = step_from_set(cs, device)
         cap.timings["load"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
             sr = run_step(step, backend, isolate=isolate, noise=noise, seed=seed + i,
-                          tie_eps=policy.tie_eps(cs.fmt))
-        except Exception as e:  # a backend that raises fails its capture, the run goes on
-            cap.errors.append(f"{type(e).__name__}: {e}")
-            run.captures.append(cap)
+                          tie_eps=policy.tie_eps(cs.fmt, cs.config_name), timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a backend that raises fails its capture, the run goes on
+            cap.errors.append(f"backend raised {type(e).__name__}: {e}")
             continue
         cap.timings["run"] = time.perf_counter() - t1
+        if sr.aborted:
+            cap.aborted = sr.aborted
+            if not _device_alive(device):
+                wedged = f"{device} still runs the launch that timed out on {cs.name}"
+            continue
         cap.missing_taps = sr.missing_taps
         cap.errors.extend(sr.errors)
         if sr.forced_routing:
@@ -123,7 +210,7 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
         t2 = time.perf_counter()
         judge_run(sr, policy, cap)
         cap.timings["judge"] = time.perf_counter() - t2
-        run.captures.append(cap)
+        del sr, step
     run.duration_s = time.perf_counter() - t_run
     return run
 
@@ -145,40 +232,93 @@ def _arch(device: str) -> str | None:
     return platform.machine()
 
 
+def check_outputs(**paths) -> None:
+    """Report targets must be writable files before the long work starts (InputError, exit 2)."""
+    for opt, p in paths.items():
+        if not p:
+            continue
+        p = Path(p)
+        flag = f"--{opt}"
+        if p.is_dir():
+            raise InputError(flag, f"{p} is a folder")
+        if p.exists() and not p.is_file():
+            raise InputError(flag, f"{p} exists and is not a regular file")
+        anc = p.parent
+        while not anc.exists():
+            anc = anc.parent
+        if not anc.is_dir():
+            raise InputError(flag, f"{anc} is a file, so {p} cannot be written")
+        if not os.access(anc, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            raise InputError(flag, f"{p} cannot be written (no write permission in {anc})")
+
+
 def write_reports(run, md=None, json_path=None, html=None) -> list[str]:
-    """Write the requested reports; returns one line per file written (and notes)."""
+    """Write the requested reports; returns one line per file written (and notes). Every report
+    is attempted; if any could not be written, Incomplete (exit 3) lists them after the rest."""
     from . import report
 
-    notes = report.write_reports(run, md=md, json=json_path, html=html)
-    return [f"wrote {p}" for p in (md, json_path, html) if p] + list(notes)
+    lines, failed = [], []
+    for kind, path in (("md", md), ("json", json_path), ("html", html)):
+        if not path:
+            continue
+        try:
+            lines += [f"wrote {path}"] + list(report.write_reports(run, **{kind: path}))
+        except OSError as e:
+            failed.append(f"{path}: {e.strerror or e}")
+    if failed:
+        raise Incomplete("could not write " + "; ".join(failed))
+    return lines
 
 
-def cli(argv) -> int:
-    ap = argparse.ArgumentParser(prog="k3verify replay", description=__doc__.split("\n\n")[0])
+def _print(*lines) -> None:
+    """stdout that survives a closed pipe (`replay ... | head`): the rest is dropped quietly."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .errors import ArgParser
+
+    ap = ArgParser(prog="k3verify replay", description=__doc__.split("\n\n")[0], epilog=EXIT_HELP)
     ap.add_argument("captures", help="folder of capture sets (searched recursively)")
-    ap.add_argument("--backend", default="ref", help="ref | triton | flydsl | package.module:object")
+    ap.add_argument("--backend", default="ref", help="ref | triton | flydsl | vllm-mono | package.module:object")
     ap.add_argument("--device", help="torch device (default: cuda if there is one, else cpu)")
     ap.add_argument("--policy", help="tolerance policy TOML (default golden/tolerances.toml)")
     ap.add_argument("--report", help="write the Markdown report here")
     ap.add_argument("--json", help="write the JSON report here")
     ap.add_argument("--html", help="write the HTML report (plots) here")
-    ap.add_argument("--isolate", action="store_true", help="also judge each stage fed the backend's previous tap")
+    ap.add_argument("--isolate", action="store_true", help="(the default) also judge each stage fed the backend's "
+                                                           "previous tap")
+    ap.add_argument("--no-isolate", action="store_true", help="judge the chained view only")
     ap.add_argument("--noise", type=int, default=0, metavar="N", help="judge against N perturbed reference runs")
     ap.add_argument("--limit", type=int, help="replay only the first N capture sets")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                    help=f"seconds the backend may take per capture set (default {DEFAULT_TIMEOUT:g}; 0: no limit)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    a = ap.parse_args(argv)
-    if a.noise < 0:
-        raise InputError("--noise", f"{a.noise} < 0")
-    for opt in ("report", "json", "html"):
-        p = getattr(a, opt)
-        if p and Path(p).is_dir():
-            raise InputError(f"--{opt}", f"{p} is a folder")
-    run = replay(a.captures, a.backend, a.device, a.policy, a.isolate, a.noise, progress=not a.quiet,
-                 limit=a.limit)
+    return ap
+
+
+def cli(argv) -> int:
+    a = build_parser().parse_args(argv)
+    if a.isolate and a.no_isolate:
+        raise InputError("--no-isolate", "contradicts --isolate")
+    if a.timeout < 0:
+        raise InputError("--timeout", f"{a.timeout} < 0")
+    check_outputs(report=a.report, json=a.json, html=a.html)
+    run = replay(a.captures, a.backend, a.device, a.policy, not a.no_isolate, a.noise, progress=not a.quiet,
+                 limit=a.limit, timeout=a.timeout or None)
     from . import report
 
-    print(report.summary_line(run))
-    print(report.stage_table(run))
-    for line in write_reports(run, a.report, a.json, a.html):
-        print(line)
-    return 0 if run.passed else 1
+    code = run.exit_code()
+    try:
+        lines = write_reports(run, a.report, a.json, a.html)
+    except Incomplete as e:
+        lines = [f"k3verify replay: error: {e}"]
+        code = EXIT_INCOMPLETE
+    _print(report.summary_line(run), report.stage_table(run), *report.problem_lines(run), *lines)
+    return code

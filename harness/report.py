@@ -1,5 +1,5 @@
 """Reports of a replay `harness.results.Run`: Markdown for a PR, JSON, an HTML page
-with plots, and `k3verify diff` of two JSON reports.
+with plots (`k3verify diff` of two JSON reports is harness.diff).
 
 API (what the replay calls):
 
@@ -11,35 +11,27 @@ API (what the replay calls):
     write_markdown(run, path) / write_html(run, path) -> Path   (atomic writes)
     write_reports(run, md=None, json=None, html=None) -> list[str]
         writes the requested files and returns notes (e.g. plots skipped)
-    diff_runs(base, new, margin=0.25) -> Diff     # what got worse from base to new
-    cli(argv) -> int                              # `k3verify diff A.json B.json`
-
-`k3verify diff A.json B.json [--margin F] [--all] [--md FILE]`: A is the baseline,
-B the candidate. Exit 1 when anything got worse beyond the margin, 0 otherwise,
-2 for bad input.
+    problem_lines(run) -> list[str]               # per failing capture: where its error was born
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import html as _html
 import io
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tabulate import tabulate
 
-from .errors import InputError
 from .metrics import MAG_BINS, MAG_EDGES, ULP_BINS
-from .policy import STAGES
+from .policy import STAGE_WORDS, STAGES
 from .results import Comparison, Run
 
 STAGE_ORDER = {s: i for i, s in enumerate(STAGES)}
 OUTPUT_ORDER = {(s, o): i for s in STAGES for i, o in enumerate(STAGES[s])}
-TABLE_COLUMNS = ("stage/output", "criterion", "worst value", "limit", "margin", "used", "worst location",
-                 "captures failing")
+TABLE_COLUMNS = ("stage", "criterion (metric)", "worst value", "reference's own", "limit", "margin", "used",
+                 "worst location", "captures failing")
 
 
 # ---------------------------------------------------------------- formatting
@@ -70,6 +62,20 @@ def fmt_loc(c: Comparison, metric: str = "") -> str:
     if not loc:
         return where
     return where + " " + " ".join(f"{k}={v}" for k, v in loc.items())
+
+
+def _row_loc(c: Comparison, r) -> str:
+    """Worst location of a table row; none where nothing differs (a clean exact row)."""
+    if r is None or (r.value == 0 and r.name in ("exact", "finite")) or not (
+            c.metrics.get("worst") or c.metrics.get("worst_ulp")):
+        return "—"
+    return fmt_loc(c, r.metric)
+
+
+def stage_label(stage: str, output: str, view: str = "chained") -> str:
+    """`k1 · in_proj (proj)`, `(isolated)` appended for that view."""
+    words = STAGE_WORDS.get((stage, output), output)
+    return f"{stage} · {words} ({output})" + ("" if view == "chained" else f" [{view}]")
 
 
 def _key_sort(k):
@@ -110,11 +116,15 @@ def stage_rows(run: Run) -> list[dict]:
         c, r = _worst_criterion(comps)
         caps = {x.capture for x in comps}
         failing = {x.capture for x in comps if not x.passed}
+        own = None  # the reference's own error against the oracle, beside an oracle-ratio row
+        if r is not None and r.name == "oracle_k" and c.oracle:
+            own = c.oracle.get("ref", {}).get(r.metric)
         rows.append({"stage": key[0], "output": key[1], "view": key[2], "passed": not failing,
+                     "label": stage_label(*key),
                      "criterion": r.name if r else None, "metric": r.metric if r else None,
-                     "value": r.value if r else None, "limit": r.limit if r else None,
+                     "value": r.value if r else None, "ref_own": own, "limit": r.limit if r else None,
                      "margin": r.margin if r else None, "used": r.used if r else None,
-                     "location": fmt_loc(c, r.metric if r else ""), "captures": len(caps),
+                     "location": _row_loc(c, r), "captures": len(caps),
                      "captures_failing": len(failing), "comparisons": len(comps)})
     return rows
 
@@ -131,8 +141,9 @@ def _table_cells(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
         mark = "" if r["passed"] else "**FAIL** "
-        out.append([mark + _label(r["stage"], r["output"], r["view"]), r["criterion"] or "—",
-                    fmt_num(r["value"], r["metric"] or ""), fmt_num(r["limit"], r["metric"] or ""),
+        crit = "—" if not r["criterion"] else f"{r['criterion']} ({r['metric']})"
+        out.append([mark + r["label"], crit, fmt_num(r["value"], r["metric"] or ""),
+                    fmt_num(r["ref_own"], r["metric"] or ""), fmt_num(r["limit"], r["metric"] or ""),
                     fmt_num(r["margin"]), _pct(r["used"]), r["location"],
                     f"{r['captures_failing']}/{r['captures']}"])
     return out
@@ -146,7 +157,37 @@ def summary_line(run: Run) -> str:
             f" ({s['captures_failed']} failed) · {s['comparisons']} comparisons ({s['comparisons_failed']} failed)")
     if s["errors"]:
         line += f" · {s['errors']} errors"
+    if s.get("aborted"):
+        line += f" · {s['aborted']} not finished"
     return line
+
+
+def born_line(cap) -> str | None:
+    """One line per failing capture: where its first error was born."""
+    if cap.passed:
+        return None
+    if cap.aborted:
+        return f"{cap.id}: not finished: {cap.aborted}"
+    c = cap.born_at
+    if c is None:
+        return f"{cap.id}: {cap.errors[0] if cap.errors else 'failed'}"
+    bad = next((r for r in c.criteria if not (r.passed or r.skipped)), None)
+    what = "" if bad is None else f": {bad.name} ({bad.metric}) {fmt_num(bad.value, bad.metric)} vs " \
+                                  f"{fmt_num(bad.limit, bad.metric)}"
+    rank = "" if c.rank is None else f" rank {c.rank}"
+    err = f" (and {len(cap.errors)} error(s): {cap.errors[0]})" if cap.errors else ""
+    return f"{cap.id}: born at {stage_label(c.stage, c.output, c.view)}{rank}{what}{err}"
+
+
+def problem_lines(run: Run, limit: int = 20) -> list[str]:
+    """What the terminal shows under the table: each failing capture's birth place and errors."""
+    bad = [c for c in run.captures if not c.passed]
+    lines = [born_line(c) for c in bad[:limit]]
+    for c in bad[:limit]:
+        lines += [f"  {c.id}: error: {e}" for e in c.errors[1:4]]
+    if len(bad) > limit:
+        lines.append(f"... and {len(bad) - limit} more failing captures (see the reports)")
+    return lines
 
 
 def _missing_taps(run: Run) -> dict[str, list[str]]:
@@ -176,7 +217,9 @@ def _cap_head(cap) -> str:
 
 
 def _cap_notes(cap) -> list[str]:
-    lines = [f"- error: {e}" for e in cap.errors] + [f"- {n}" for n in cap.notes]
+    born = born_line(cap)
+    lines = ([f"- **{born}**"] if born else []) + ([f"- not finished: {cap.aborted}"] if cap.aborted else [])
+    lines += [f"- error: {e}" for e in cap.errors] + [f"- {n}" for n in cap.notes]
     miss = [f"{s}: {', '.join(t)}" for s, t in cap.missing_taps.items() if t]
     if miss:
         lines.append(f"- taps not exposed by the backend: {'; '.join(miss)}")
@@ -193,7 +236,7 @@ def _failing_details(cap) -> str:
         crit = "; ".join(f"{r.name} {fmt_num(r.value, r.metric)} vs {fmt_num(r.limit, r.metric)}"
                          + (f" ({r.note})" if r.note else "") for r in c.criteria if not (r.passed or r.skipped))
         m = c.metrics
-        rows.append([_label(c.stage, c.output, c.view), "—" if c.rank is None else c.rank, fmt_num(m.get("rel_l2")),
+        rows.append([stage_label(c.stage, c.output, c.view), "—" if c.rank is None else c.rank, fmt_num(m.get("rel_l2")),
                      fmt_num(m.get("max_ulp")), fmt_loc(c).removeprefix(c.capture).strip(), crit])
     if rows:
         lines += ["", tabulate(rows, headers=["stage/output", "rank", "rel L2", "max ulp", "worst at",
@@ -207,7 +250,7 @@ def _passing_details(caps) -> str:
     rows = []
     for cap in caps:
         c, r = _worst_criterion(cap.comparisons) if cap.comparisons else (None, None)
-        tight = "—" if r is None else f"{_label(c.stage, c.output, c.view)} {r.name} {_pct(r.used)}"
+        tight = "—" if r is None else f"{stage_label(c.stage, c.output, c.view)} {r.name} {_pct(r.used)}"
         rows.append([f"`{cap.id}`", cap.fmt, cap.layer, cap.kind, cap.step, len(cap.comparisons), tight,
                      f"{sum(cap.timings.values()) * 1e3:.0f} ms" if cap.timings else "—"])
     table = tabulate(rows, headers=["capture", "fmt", "layer", "kind", "step", "comparisons", "tightest",
@@ -233,6 +276,9 @@ def markdown(run: Run) -> str:
     if any(miss.values()):
         parts.append("Taps the backend does not expose (stages judged only through later outputs): "
                      + "; ".join(f"{s}: {', '.join(t)}" for s, t in miss.items() if t) + "\n")
+    born = [born_line(c) for c in run.captures if not c.passed]
+    if born:
+        parts.append("### Where the errors were born\n\n" + "\n".join(f"- {b}" for b in born[:50]) + "\n")
     errs = [(cap.id, e) for cap in run.captures for e in cap.errors]
     if errs:
         parts.append("### Errors\n\n" + "\n".join(f"- `{i}`: {e}" for i, e in errs[:50]) + "\n")
@@ -436,143 +482,5 @@ def write_reports(run: Run, md=None, json=None, html=None) -> list[str]:
     return notes
 
 
-# ---------------------------------------------------------------- diff
-
-# metric -> how to read it: lower is better after the transform; absolute slack ignored.
-# The absolute slack ignores float noise of the metric itself (1 - cosine of equal tensors
-# is ~1e-16) and single-ulp moves of a worst case.
-DIFF_METRICS = {
-    "rel_l2": (lambda m: m.get("rel_l2"), 0.0),
-    "gain_err": (lambda m: None if m.get("scale_err") is None else abs(m["scale_err"]), 1e-12),
-    "1-cosine": (lambda m: None if m.get("cosine") is None else 1.0 - m["cosine"], 1e-12),
-    "max_ulp": (lambda m: m.get("max_ulp"), 1.0),
-    "mismatch_frac": (lambda m: m.get("mismatch_frac"), 0.0),
-    "nonfinite": (lambda m: sum(int(m.get(k, 0)) for k in ("nan_a", "inf_a")), 0.0),
-}
-
-
-@dataclass
-class Diff:
-    rows: list[dict] = field(default_factory=list)  # stage, output, view, metric, base, new, delta, worse
-    notes: list[str] = field(default_factory=list)
-    regressions: list[str] = field(default_factory=list)  # one line per thing that got worse
-    other: list[str] = field(default_factory=list)  # the regressions that are not metric rows
-
-    @property
-    def worse(self) -> bool:
-        return bool(self.regressions)
-
-
-def _agg(comps: list[Comparison]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name, (get, _) in DIFF_METRICS.items():
-        vals = [get(c.metrics) for c in comps]
-        vals = [float(v) for v in vals if v is not None]
-        if vals:
-            out[name] = max(vals, key=lambda v: (math.isnan(v), v))
-    out["failed"] = float(sum(not c.passed for c in comps))
-    return out
-
-
-def _is_worse(name: str, a: float, b: float, margin: float) -> bool:
-    if math.isnan(b) and not math.isnan(a):
-        return True
-    if math.isnan(b) or math.isnan(a):
-        return False
-    if name in ("failed", "nonfinite"):
-        return b > a
-    slack = DIFF_METRICS[name][1]
-    if math.isinf(a):
-        return False
-    return b > a + max(margin * abs(a), slack)
-
-
-def diff_runs(base: Run, new: Run, margin: float = 0.25) -> Diff:
-    """Per stage/output/view and metric: the worst value over the shared captures, base vs new."""
-    d = Diff()
-    ids_a, ids_b = {c.id for c in base.captures}, {c.id for c in new.captures}
-    common = ids_a & ids_b
-    if not common:
-        raise InputError("captures", "the two reports share no capture id: they replayed different captures")
-    if ids_a - ids_b:
-        d.other.append(f"captures missing in the new report: {', '.join(sorted(ids_a - ids_b))}")
-    if ids_b - ids_a:
-        d.notes.append(f"captures only in the new report (ignored): {', '.join(sorted(ids_b - ids_a))}")
-    ga: dict[tuple, list] = defaultdict(list)
-    gb: dict[tuple, list] = defaultdict(list)
-    for c in base.comparisons:
-        if c.capture in common:
-            ga[c.key].append(c)
-    for c in new.comparisons:
-        if c.capture in common:
-            gb[c.key].append(c)
-    for key in sorted(set(ga) | set(gb), key=_key_sort):
-        label = _label(*key)
-        if key not in gb:
-            d.other.append(f"{label}: no longer compared")
-            d.rows.append({"stage": key[0], "output": key[1], "view": key[2], "metric": "coverage",
-                           "base": len(ga[key]), "new": 0, "delta": -len(ga[key]), "worse": True})
-            continue
-        if key not in ga:
-            d.notes.append(f"{label}: newly compared")
-            continue
-        aa, bb = _agg(ga[key]), _agg(gb[key])
-        for name in list(DIFF_METRICS) + ["failed"]:
-            if name not in aa or name not in bb:
-                continue
-            a, b = aa[name], bb[name]
-            worse = _is_worse(name, a, b, margin)
-            delta = b - a if math.isfinite(a) and math.isfinite(b) else math.nan
-            d.rows.append({"stage": key[0], "output": key[1], "view": key[2], "metric": name, "base": a,
-                           "new": b, "delta": delta, "worse": worse})
-            if worse:
-                d.regressions.append(f"{label}: {name} {fmt_num(a)} -> {fmt_num(b)}")
-    errs_a = sum(len(c.errors) for c in base.captures if c.id in common)
-    errs_b = sum(len(c.errors) for c in new.captures if c.id in common)
-    if errs_b > errs_a:
-        d.other.append(f"capture errors {errs_a} -> {errs_b}")
-    d.regressions.extend(d.other)
-    return d
-
-
-def diff_table(d: Diff, show_all: bool = False) -> str:
-    rows = [[_label(r["stage"], r["output"], r["view"]), r["metric"], fmt_num(r["base"]), fmt_num(r["new"]),
-             fmt_num(r["delta"]), "WORSE" if r["worse"] else ""]
-            for r in d.rows if show_all or r["worse"]]
-    if not rows:
-        return ""
-    return tabulate(rows, headers=["stage/output", "metric", "base (A)", "new (B)", "delta", ""],
-                    tablefmt="github")
-
-
-def cli(argv) -> int:
-    ap = argparse.ArgumentParser(prog="k3verify diff",
-                                 description="Compare two JSON reports (A = baseline, B = candidate): "
-                                             "exit 1 if B is worse than A beyond the margin.")
-    ap.add_argument("a", metavar="A.json")
-    ap.add_argument("b", metavar="B.json")
-    ap.add_argument("--margin", type=float, default=0.25,
-                    help="relative worsening tolerated per metric (default 0.25 = 25%%)")
-    ap.add_argument("--all", action="store_true", help="print every metric, not only what got worse")
-    ap.add_argument("--md", help="also write the diff as Markdown to this file")
-    try:
-        ns = ap.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    if not (ns.margin >= 0 and math.isfinite(ns.margin)):
-        raise InputError("--margin", f"must be a finite number >= 0, got {ns.margin}")
-    base, new = Run.load(ns.a), Run.load(ns.b)
-    d = diff_runs(base, new, ns.margin)
-    verdict = (f"WORSE: {len(d.regressions)} regression(s)" if d.worse else "no regression") + \
-        f" (A {ns.a}: {base.backend}, B {ns.b}: {new.backend}, margin {ns.margin:g})"
-    table = diff_table(d, ns.all)
-    text = "\n".join([verdict, "", table, ""] + [f"- {r}" for r in d.other] + [f"- note: {n}" for n in d.notes])
-    print(text.rstrip())
-    if ns.md:
-        _write(ns.md, text.rstrip() + "\n")
-    return 1 if d.worse else 0
-
-
 __all__ = ["summary_line", "stage_rows", "stage_table", "markdown", "html_page", "write_markdown", "write_html",
-           "write_reports", "diff_runs", "diff_table", "Diff",
-           "cli", "TABLE_COLUMNS", "fmt_num"]
+           "write_reports", "problem_lines", "born_line", "stage_label", "TABLE_COLUMNS", "fmt_num"]

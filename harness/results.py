@@ -56,12 +56,12 @@ class Comparison:
     @staticmethod
     def judged(policy, *, capture: str, layer: int, kind: str, step: int, rank, stage: str, output: str,
                view: str, fmt: str | None, metrics: dict, oracle: dict | None = None, noise=None,
-               note: str = "") -> "Comparison":
+               note: str = "", config: str | None = None) -> "Comparison":
         """Judge `metrics` with `policy` and wrap everything in a Comparison."""
         from .metrics import scalars
         from .policy import noise_spread
 
-        crit = judge(policy, stage, output, fmt, metrics, oracle=oracle, noise=noise, view=view)
+        crit = judge(policy, stage, output, fmt, metrics, oracle=oracle, noise=noise, view=view, config=config)
         orc = None if oracle is None else {k: scalars(v) for k, v in oracle.items()}
         return Comparison(capture, layer, kind, step, rank, stage, output, view, metrics, crit,
                           _all_passed(crit), orc, None if noise is None else noise_spread(noise), note)
@@ -99,10 +99,22 @@ class CaptureResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds: load, oracle, ref, backend, ...
     errors: list[str] = field(default_factory=list)  # anything that stopped a check: fails the capture
     notes: list[str] = field(default_factory=list)  # e.g. routing forced at near-ties
+    aborted: str | None = None  # the harness could not finish this capture (a time limit): why
 
     @property
     def passed(self) -> bool:
-        return not self.errors and all(c.passed for c in self.comparisons)
+        return not self.errors and self.aborted is None and all(c.passed for c in self.comparisons)
+
+    @property
+    def born_at(self) -> Comparison | None:
+        """Where the first error was born: the earliest failing stage in dataflow order, isolated
+        failures (a stage's own arithmetic) before chained ones (which may only inherit)."""
+        from .policy import flow_index
+
+        bad = [c for c in self.comparisons if not c.passed]
+        if not bad:
+            return None
+        return min(bad, key=lambda c: (c.view != "isolated", flow_index(c.stage, c.output), c.rank or 0))
 
     @property
     def untouched(self) -> list[Comparison]:
@@ -115,14 +127,14 @@ class CaptureResult:
     def to_dict(self) -> dict:
         return {"id": self.id, "fmt": self.fmt, "layer": self.layer, "kind": self.kind, "step": self.step,
                 "world": self.world, "passed": self.passed, "missing_taps": self.missing_taps,
-                "timings": self.timings, "errors": self.errors, "notes": self.notes,
+                "timings": self.timings, "errors": self.errors, "notes": self.notes, "aborted": self.aborted,
                 "comparisons": [c.to_dict() for c in self.comparisons]}
 
     @staticmethod
     def from_dict(d: dict) -> "CaptureResult":
         return CaptureResult(d["id"], d["fmt"], d["layer"], d["kind"], d["step"], d["world"],
                              [Comparison.from_dict(c) for c in d["comparisons"]], d.get("missing_taps", {}),
-                             d.get("timings", {}), d.get("errors", []), d.get("notes", []))
+                             d.get("timings", {}), d.get("errors", []), d.get("notes", []), d.get("aborted"))
 
 
 @dataclass
@@ -147,6 +159,18 @@ class Run:
     def comparisons(self) -> list[Comparison]:
         return [c for cap in self.captures for c in cap.comparisons]
 
+    @property
+    def complete(self) -> bool:
+        """Every capture was judged to the end (none stopped by a time limit)."""
+        return all(c.aborted is None for c in self.captures)
+
+    def exit_code(self) -> int:
+        from .errors import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_PASS
+
+        if not self.complete:
+            return EXIT_INCOMPLETE
+        return EXIT_PASS if self.passed else EXIT_FAIL
+
     def summary(self) -> dict:
         comps = self.comparisons
         crits = [r for c in comps for r in c.criteria]
@@ -155,7 +179,8 @@ class Run:
                 "comparisons": len(comps), "comparisons_failed": sum(not c.passed for c in comps),
                 "criteria": len(crits), "criteria_failed": sum(not (r.passed or r.skipped) for r in crits),
                 "criteria_skipped": sum(r.skipped for r in crits),
-                "errors": sum(len(c.errors) for c in self.captures)}
+                "errors": sum(len(c.errors) for c in self.captures),
+                "aborted": sum(c.aborted is not None for c in self.captures)}
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, "backend": self.backend, "device": self.device, "arch": self.arch,
@@ -181,29 +206,63 @@ class Run:
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             got = d.get("schema") if isinstance(d, dict) else type(d).__name__
             raise InputError("schema", f"not a k3verify report (schema {got!r}, expected {SCHEMA!r})", where)
+        _check_report(d, where)
         d = _dec(d)
         try:
             return Run(d["backend"], d["device"], d.get("arch"), d.get("env", {}), d.get("policy", ""),
                        [CaptureResult.from_dict(c) for c in d["captures"]], d.get("options", {}),
                        d.get("started", ""), d.get("duration_s"))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputError("captures", f"malformed report: {type(e).__name__} {e}", where) from None
 
     @staticmethod
     def from_json(text: str, where: str = "<json>") -> "Run":
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InputError("json", f"not valid JSON: {e}", where) from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise InputError("json", f"not valid JSON: {str(e)[:200]}", where) from None
         return Run.from_dict(d, where)
 
     @staticmethod
     def load(path) -> "Run":
+        p = Path(path)
         try:
-            text = Path(path).read_text()
+            if not p.is_file():
+                raise InputError("report", "not a regular file" if p.exists() else "not found", str(p))
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError("report", "not a text (JSON) file", str(p)) from None
         except OSError as e:
-            raise InputError("report", f"cannot read: {e.strerror or e}", str(path)) from None
-        return Run.from_json(text, str(path))
+            raise InputError("report", f"cannot read: {e.strerror or e}", str(p)) from None
+        return Run.from_json(text, str(p))
+
+
+_TYPES = {"captures": list, "backend": str, "device": str}
+_CAP_TYPES = {"id": str, "fmt": str, "layer": int, "kind": str, "step": int, "world": int, "comparisons": list}
+_CMP_TYPES = {"capture": str, "stage": str, "output": str, "view": str, "passed": bool, "metrics": dict,
+              "criteria": list}
+
+
+def _check_report(d: dict, where: str) -> None:
+    """Field types of a report, checked before use: a wrong one is named, never a traceback."""
+    def need(obj, types, path):
+        if not isinstance(obj, dict):
+            raise InputError(path, f"must be an object, got {type(obj).__name__}", where)
+        for k, ty in types.items():
+            v = obj.get(k)
+            if not isinstance(v, ty) or (ty is int and isinstance(v, bool)):
+                raise InputError(f"{path}.{k}" if path else k,
+                                 f"must be {ty.__name__}, got {type(v).__name__ if k in obj else 'nothing'}", where)
+
+    need(d, _TYPES, "")
+    for i, c in enumerate(d["captures"]):
+        need(c, _CAP_TYPES, f"captures[{i}]")
+        for j, m in enumerate(c["comparisons"]):
+            need(m, _CMP_TYPES, f"captures[{i}].comparisons[{j}]")
+            for k, r in enumerate(m["criteria"]):
+                if not isinstance(r, dict) or not isinstance(r.get("name"), str):
+                    raise InputError(f"captures[{i}].comparisons[{j}].criteria[{k}]", "must be an object with a name",
+                                     where)
 
 
 # Non-finite floats travel as the strings "inf", "-inf", "nan" (strict JSON has none).
@@ -250,14 +309,18 @@ def _version(mod: str) -> str | None:
 
 def git_revision(root=None) -> str:
     """HEAD commit (+"-dirty" with uncommitted changes), or "unknown"."""
+    import os
+
     root = Path(root) if root else Path(__file__).resolve().parent.parent
+    # read-only: `git status` refreshes the index under .git/index.lock unless optional locks are off
+    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
+                             timeout=5, env=env)
         if rev.returncode:
             return "unknown"
         st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True, timeout=5)
+                            capture_output=True, text=True, timeout=5, env=env)
         return rev.stdout.strip() + ("-dirty" if st.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

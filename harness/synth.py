@@ -4,43 +4,37 @@
 
 Per decode step, fresh token rows enter the first layer (AttnRes carry from
 `ref.synth.carry`; at layer 0 the prefix is the embedding and there is no pending
-delta) and flow through every layer of the stack:
+delta) and flow through the stack of layer runners (`harness.layers`, the one
+composition of the layer flow: KDA layer = K1 then K2, dense layer 0 = K1 then the dense
+MLP stand-in, MLA layer = the AttnRes op and the MLA stand-in then K2), driven through
+the reference; an observer turns every launch into captures. K2's `out` is the next
+layer's pending delta; K1's block write and K2's reset follow the config's block schedule.
 
-- KDA layer: `ref.kda_pre` on every rank (rank-local heads, replicated carry), then
-  `ref.k2_world` on K1's `core_out`;
-- dense layer (layer 0): `ref.kda_pre`, then the dense MLP's stand-in (`dense_mlp`: o_proj
-  all-reduce, prefix update, MLP AttnRes + norm, a fixed random projection); no K2;
-- MLA layer: the reference's K1 steps 1–3 (pending delta add, block write, AttnRes,
-  input norm) stand in for vLLM's AttnRes op, then `core = bf16(x @ mla_proj^T)` per
-  rank (`ref.synth.mla_proj`), then `ref.k2_world`;
-- K2's `out` is the next layer's pending delta; K1's block write and K2's reset follow
-  the config's block schedule (`k1_build` / `k2_build`).
-
-Speculative decoding: R requests of L = num_spec + 1 tokens; each real request owns L
-slots of a cache with twice as many slots as referenced (random ids, slot 0 the null
-slot), the same every step, so step t+1 with acceptance a starts from slot
-st_idx[r, a-1], exactly where step t wrote the state after its a-th token. The last
-`padding` requests are padding (null slots, alternately 0 and -1). Acceptance counts
-are random in 1..L unless given. Every random draw comes from a generator seeded by
-(seed, what it is for): the same command writes the same bytes.
+Speculative decoding: R rows of L = num_spec + 1 tokens (`RequestMix`). Each live request
+owns L slots of a cache with twice as many slots as referenced (random ids, slot 0 the null
+slot), so step t+1 with acceptance a starts from slot st_idx[r, a-1], exactly where step t
+wrote the state after its a-th token. The last `padding` rows are padding (null slots 0 and
+-1). Acceptance is random in 1..L (with R ≥ 2 the run shows a = L and a = 1 on purpose), all,
+or none-then-all, unless given; with `lifetime` requests join (fresh zeroed slots) and leave
+(their row turns into padding). Every random draw comes from a generator seeded by (seed,
+what it is for): the same command writes the same bytes.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import ref
 from ref import synth as rsynth
-from ref._num import Num
-from ref.attnres import attnres, sources
-from ref.config import EXPERT_FORMATS, PRESETS, Config, get_config, k1_build, k2_build
-from ref.norms import rmsnorm
+from ref.config import EXPERT_FORMATS, PRESETS, Config, get_config, k2_build
 
 from . import capture as cap
 from .errors import InputError
+from .layers import Observer, SpecStep, Stack, dense_mlp, layer_caches, layer_weights  # noqa: F401 - dense_mlp: public here too
 
 BF16 = torch.bfloat16
 TOOL = "k3verify synth"
@@ -72,6 +66,104 @@ def slot_plan(R: int, L: int, padding: int, g: torch.Generator) -> tuple[torch.T
     return st, total
 
 
+ACCEPT_MODES = ("random", "all", "none-then-all")
+
+
+@dataclass
+class MixStep:
+    """One step of a request mix: st_idx [R, L] int32 and num_acc [R] int32 (CPU), which rows hold a
+    live request, the slots of requests joining this step (zeroed before it runs), and what changed."""
+
+    st_idx: torch.Tensor
+    num_acc: torch.Tensor
+    live: list[bool]
+    fresh: tuple[int, ...] = ()
+    events: list[str] = field(default_factory=list)
+
+    def live_rows(self) -> list[int]:
+        return [r for r, v in enumerate(self.live) if v]
+
+
+class RequestMix:
+    """The rows of a spec-verify batch over the steps of a run (R rows of L tokens).
+
+    A live row owns L slots of a cache of 1 + 2·R·L (slot 0 the null slot); the last `padding`
+    rows start as padding. Padding rows carry null slots, 0 or -1 alternating by row and step, so
+    two steps show both. Acceptance per live row (`accept`): random in 1..L; all (L); none-then-all
+    (1 for the first half of the steps, then L). With R ≥ 2 a random run covers full acceptance
+    (a = L) and zero-extra acceptance (a = 1) on purpose: the first two live (step, row) pairs get
+    L and 1 (in one step when it has two live rows). `num_acc` [steps][R] overrides every draw.
+
+    lifetime > 0: requests join and leave. After each step a live request finishes with
+    probability 1/lifetime and its row turns into padding; a padding row takes a new request with
+    the probability that keeps `padding` rows idle on average (at least one step idle). A new
+    request gets L free slots, zeroed before its first step (it has no prefill state). Draws come
+    from generators seeded by (seed, tag, what, step): the same arguments give the same mix.
+    """
+
+    def __init__(self, R: int, L: int, padding: int, steps: int, seed: int, *, accept: str = "random",
+                 lifetime: int = 0, num_acc=None, tag: str = "synth"):
+        if accept not in ACCEPT_MODES:
+            raise InputError("accept", f"{accept!r} not in {', '.join(ACCEPT_MODES)}")
+        if lifetime < 0:
+            raise InputError("lifetime", f"{lifetime} < 0")
+        self.R, self.L, self.steps, self.seed, self.tag = R, L, steps, seed, tag
+        self.accept, self.lifetime, self.num_acc, self.padding = accept, lifetime, num_acc, padding
+        self.st, self.total = slot_plan(R, L, padding, rsynth.gen("cpu", seed, f"{tag}-slots"))
+        self.live = [r < R - padding for r in range(R)]
+        used = {int(v) for r in range(R) if self.live[r] for v in self.st[r].tolist()}
+        self.free = [s for s in range(1, self.total) if s not in used]
+        self.p_leave = 1.0 / lifetime if lifetime else 0.0
+        self.p_join = min(1.0, self.p_leave * (R - padding) / padding) if padding else 1.0
+        self.t = 0
+        self._covered: list[int] = []  # accept values still to place (a = L, then a = 1)
+        if accept == "random" and num_acc is None and R >= 2:
+            self._covered = [L, 1] if L > 1 else [L]
+
+    def _null(self, r: int) -> int:
+        # the first padding row starts at 0, as slot_plan lays them out
+        return 0 if (r - self.R + self.padding + self.t) % 2 == 0 else -1
+
+    def step(self) -> MixStep:
+        """The next step's rows. Leaves and joins decided at the end of step t show in step t+1."""
+        t, R, L = self.t, self.R, self.L
+        fresh, events = [], []
+        if t > 0 and self.lifetime:
+            g = rsynth.gen("cpu", self.seed, f"{self.tag}-churn", t)
+            u = torch.rand(R, generator=g).tolist()
+            for r in range(R):
+                if self.live[r] and u[r] < self.p_leave:
+                    self.free.extend(int(v) for v in self.st[r].tolist())
+                    self.live[r] = False
+                    events.append(f"leave row {r}")
+                elif not self.live[r] and u[r] < self.p_join and len(self.free) >= L:
+                    pick = torch.randperm(len(self.free), generator=g)[:L].tolist()
+                    slots = [self.free[i] for i in pick]
+                    self.free = [s for i, s in enumerate(self.free) if i not in set(pick)]
+                    self.st[r] = torch.tensor(slots, dtype=torch.int32)
+                    self.live[r] = True
+                    fresh += slots
+                    events.append(f"join row {r}")
+        st = self.st.clone()
+        for r in range(R):
+            if not self.live[r]:
+                st[r] = self._null(r)
+        if self.num_acc is not None:
+            na = torch.tensor(self.num_acc[t], dtype=torch.int32)
+        elif self.accept == "all":
+            na = torch.full((R,), L, dtype=torch.int32)
+        elif self.accept == "none-then-all":
+            na = torch.full((R,), 1 if t < self.steps // 2 else L, dtype=torch.int32)
+        else:
+            na = torch.randint(1, L + 1, (R,), generator=rsynth.gen("cpu", self.seed, f"{self.tag}-accept", t),
+                               dtype=torch.int32)
+            for r in range(R):
+                if self._covered and self.live[r]:
+                    na[r] = self._covered.pop(0)
+        self.t += 1
+        return MixStep(st, na, list(self.live), tuple(fresh), events)
+
+
 def _check_args(cfg: Config, steps: int, num_spec: int, experts: str, requests: int, padding: int,
                 num_acc) -> None:
     if experts not in EXPERT_FORMATS:
@@ -92,62 +184,22 @@ def _check_args(cfg: Config, steps: int, num_spec: int, experts: str, requests: 
             raise InputError("num_acc", f"values outside 1..{L}")
 
 
-def _mla_pre(prefix, delta, blocks, w, layer: int, cfg: Config, num: Num):
-    """vLLM's AttnRes op before MLA = K1 steps 1–3. In place on prefix/blocks; returns x [S, H] bf16."""
-    if delta is not None:
-        prefix.copy_(num.bf(num.f(prefix) + num.f(delta)))
-    wi = cfg.write_idx(layer)
-    if wi >= 0:
-        blocks[:, wi] = prefix
-    mixed = attnres(sources(blocks, cfg.k1_nblocks(layer), prefix), w["ares_nw"], w["ares_qk"], cfg.eps, num)
-    return rmsnorm(mixed, w["in_nw"], cfg.norm_eps("out_eps"), num)
+class _Weights:
+    """One layer's per-rank weights, stored once under ROOT/weights (content-addressed) and then
+    used memory-mapped from there, so the captures name exactly what the launches read."""
 
-
-def dense_mlp(cfg: Config, layer: int, cores, prefix, blocks, w, num: Num):
-    """The dense layer after K1 (outside the fused path, DESIGN §3): o_proj and its rank-order
-    all-reduce, the prefix update, the MLP AttnRes and post-attention norm, then a fixed random
-    projection standing in for the dense SiTU MLP. prefix is updated in place; returns the MLP
-    output (the next layer's pending delta). w: per-rank `ref.synth.dense_weights`."""
-    from ref.comm import ordered_sum
-    from ref.o_proj import o_proj_partial
-
-    delta = num.bf(ordered_sum([o_proj_partial(c, wr["w_o"], num) for c, wr in zip(cores, w)]))
-    prefix.copy_(delta if cfg.is_block_write(layer) else num.bf(num.f(prefix) + num.f(delta)))
-    mixed = attnres(sources(blocks, cfg.k2_nblocks(layer), prefix), w[0]["ares_nw"], w[0]["ares_qk"],
-                    cfg.norm_eps("mlp_eps"), num)
-    x = rmsnorm(mixed, w[0]["in_nw"], cfg.norm_eps("mlp_out_eps"), num)
-    # one rounding after the fp32 GEMM, as a projection's output
-    return num.bf(num.mm(x, w[0]["w_dense"]))
-
-
-class _LayerState:
-    """One layer's per-rank weights (stored once, then used memory-mapped) and caches."""
-
-    def __init__(self, root: Path, cfg: Config, layer: int, fmt: str, seed: int, device, total_slots: int,
-                 state_len: int):
+    def __init__(self, root: Path, cfg: Config, layer: int, fmt: str, seed: int, device):
         self.kind = cfg.kind(layer)
-        self.k1, self.k2, self.addr1, self.addr2, self.mla, self.conv, self.rstate = ([] for _ in range(7))
-        self.dense = []
-        for r in range(cfg.world):
-            w1 = rsynth.k1_weights(cfg, layer, r, seed, device)
-            if self.kind in cap.K1_KINDS:
-                self.addr1.append(cap.store_weights(root, w1))
-                self.k1.append(self._mapped(root, self.addr1[-1], device))
-                g = rsynth.gen("cpu", seed, "synth-caches", layer, r)
-                cs, rs = rsynth.caches(cfg, total_slots, state_len, g, "cpu")
-                self.conv.append(cs.to(device))
-                self.rstate.append(rs.to(device))
-            else:
-                self.k1.append({n: w1[n] for n in ("ares_nw", "ares_qk", "in_nw")})
-                self.mla.append(rsynth.mla_proj(cfg, layer, r, seed, device))
-            del w1
-            if self.kind == "dense":
-                self.dense.append(rsynth.dense_weights(cfg, layer, r, seed, device))
-                continue
-            w2 = rsynth.k2_weights(cfg, layer, r, fmt, seed, device)
-            self.addr2.append(cap.store_weights(root, w2))
-            del w2
-            self.k2.append({"w13s": None, "w2s": None, **self._mapped(root, self.addr2[-1], device)})
+        self.addr1: list[str] = []
+        self.addr2: list[str] = []
+        w = layer_weights(cfg, layer, fmt, seed, device)
+        if w.k1 is not None:
+            self.addr1 = [cap.store_weights(root, t) for t in w.k1]
+            w.k1 = [self._mapped(root, a, device) for a in self.addr1]
+        if w.k2 is not None:
+            self.addr2 = [cap.store_weights(root, t) for t in w.k2]
+            w.k2 = [{"w13s": None, "w2s": None, **self._mapped(root, a, device)} for a in self.addr2]
+        self.weights = w
 
     @staticmethod
     def _mapped(root: Path, addr: str, device) -> dict:
@@ -155,19 +207,90 @@ class _LayerState:
         return w if torch.device(device).type == "cpu" else {n: t.to(device) for n, t in w.items()}
 
 
+class _Recorder(Observer):
+    """Turns the runners' launches into one StepRecord per (layer, rank) and writes the captures."""
+
+    def __init__(self, out: Path, cfg: Config, fmt: str, meta: dict, prod: dict, weights: dict, total: int):
+        self.out, self.cfg, self.fmt, self.meta, self.prod, self.weights, self.total = (
+            out, cfg, fmt, meta, prod, weights, total)
+        self.written: list[Path] = []
+        self.recs: dict[int, list[cap.StepRecord]] = {}
+        self.step = 0
+        self.st_idx = self.num_acc = self.smap = None
+
+    def begin(self, t: int, st_idx: torch.Tensor, num_acc: torch.Tensor, L: int) -> None:
+        self.step, self.st_idx, self.num_acc = t, st_idx, num_acc
+        self.smap = cap.slot_map_for(st_idx, L)
+
+    def _recs(self, layer: int, k2key) -> list[cap.StepRecord]:
+        if layer not in self.recs:
+            w = self.weights[layer]
+            self.recs[layer] = [cap.StepRecord(step=self.step, layer=layer, rank=r, world=self.cfg.world, kind=w.kind,
+                                               fmt=self.fmt, k2_key=k2key, k2_in=None,
+                                               k2_weights=w.addr2[r] if w.addr2 else None, cfg=self.cfg,
+                                               meta=self.meta)
+                                for r in range(self.cfg.world)]
+        return self.recs[layer]
+
+    def _k2key(self, layer: int, S: int):
+        return None if self.cfg.kind(layer) == "dense" else k2_build(self.cfg, layer, S, self.fmt)
+
+    def before_k1(self, layer, rank, key, a):
+        rec = self._recs(layer, self._k2key(layer, key.tokens))[rank]
+        rec.k1_in = dict(prefix=a["prefix"].clone(), delta=a["delta"], blocks=a["blocks"].clone(),
+                         conv_state=cap.compact_cache(a["conv_state"], self.smap),
+                         rstate=cap.compact_cache(a["rstate"], self.smap), st_idx=self.st_idx, num_acc=self.num_acc)
+
+    def after_k1(self, layer, rank, key, a):
+        rec = self.recs[layer][rank]
+        rec.k1_after = dict(prefix=a["prefix"], blocks=a["blocks"],
+                            conv_state=cap.compact_cache(a["conv_state"], self.smap),
+                            rstate=cap.compact_cache(a["rstate"], self.smap), core_out=a["core_out"])
+        rec.k1_key, rec.k1_weights = key, self.weights[layer].addr1[rank]
+        rec.slot_map, rec.conv_slots, rec.rec_slots = self.smap, self.total, self.total
+        rec.conv_layout = cap.conv_layout_of(a["conv_state"])
+
+    def before_k2(self, layer, key, ranks):
+        for r, rec in enumerate(self._recs(layer, key)):
+            rec.k2_in = dict(core=ranks[r]["core"].clone(), prefix=ranks[r]["prefix"].clone(),
+                             blocks=ranks[r]["blocks"].clone())
+
+    def after_k2(self, layer, key, ranks):
+        for r, rec in enumerate(self.recs.pop(layer)):
+            if not torch.equal(ranks[r]["out"], ranks[0]["out"]):
+                raise RuntimeError(f"reference: K2 out differs between rank 0 and rank {r}")
+            rec.k2_after = dict(prefix=ranks[r]["prefix"], out=ranks[r]["out"], blocks=ranks[r]["blocks"])
+            self.written.append(cap.write_capture(self.out, rec, self.prod))
+
+    def after_dense(self, layer, prefix, out):
+        for rec in self.recs.pop(layer):
+            rec.dense_after = dict(prefix=prefix, out=out)
+            self.written.append(cap.write_capture(self.out, rec, self.prod))
+
+
+class _Launches:
+    """A backend made of two launch functions (e.g. a Recorder's wrappers of the reference's)."""
+
+    def __init__(self, kda_pre, k2_launch):
+        self.kda_pre, self.k2_launch = kda_pre, k2_launch
+        self.name = "ref" if (kda_pre, k2_launch) == (ref.kda_pre, ref.k2_launch) else "launches"
+
+
 def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts: str, seed: int, out,
                requests: int | None = None, padding: int | None = None, world: int | None = None,
                device="cpu", progress: bool = True, num_acc=None, git: bool = True,
-               tool: str = TOOL, kda_pre=None, k2_launch=None) -> list[Path]:
+               tool: str = TOOL, kda_pre=None, k2_launch=None, accept: str = "random",
+               lifetime: int = 0) -> list[Path]:
     """Run the reference over `layers` (consecutive; 'a-b', a list, or None for every layer) for
     `steps` decode steps; write one capture per (step, layer, rank) under `out`. Returns the
     capture-set folders, in order.
 
     requests (R): default max(1, 8 // L) so S = R·L ≤ 8; padding: default 1 when R ≥ 2;
     world: re-split the config for another TP size; num_acc: optional [steps][R] acceptance;
-    kda_pre / k2_launch: the launches to drive (default the reference; e.g. a Recorder's).
+    accept / lifetime: the request mix (`RequestMix`); kda_pre / k2_launch: the launches to drive
+    (default the reference; e.g. a Recorder's).
     """
-    kda_pre = kda_pre or ref.kda_pre
+    backend = _Launches(kda_pre or ref.kda_pre, k2_launch or ref.k2_launch)
     cfg = config if isinstance(config, Config) else get_config(config)
     if world is not None and world != cfg.world:
         try:
@@ -189,90 +312,45 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
     if clash:
         raise InputError("out", f"{len(clash)} capture(s) already exist (first: {clash[0]}); nothing written")
 
-    S, W = R * L, cfg.conv
-    state_len = W - 2 + L  # vLLM: W - 1 + num_spec
-    st_idx, total = slot_plan(R, L, pad, rsynth.gen("cpu", seed, "synth-slots"))
-    smap = cap.slot_map_for(st_idx, L)
+    S = R * L
+    state_len = cfg.conv - 2 + L  # vLLM: W - 1 + num_spec
+    mix = RequestMix(R, L, pad, steps, seed, accept=accept, lifetime=lifetime, num_acc=num_acc)
+    total = mix.total
     prod = cap.producer(tool, device, git=git)
     meta = {"synth": {"seed": seed, "requests": R, "padding": pad, "num_spec": num_spec, "steps": steps,
                       "layers": [layers[0], layers[-1]]}}
+    if accept != "random" or lifetime:
+        meta["synth"].update(accept=accept, lifetime=lifetime)
     out.mkdir(parents=True, exist_ok=True)
 
     from tqdm import tqdm
 
     bar = tqdm(total=steps * len(layers), desc=f"synth {cfg.name}", unit="layer-step", file=sys.stderr,
                disable=not progress, leave=False)
-    state: dict[int, _LayerState] = {}
-    num = Num("exact")
-    written: list[Path] = []
     dev = torch.device(device)
+    weights = {}
+    for i in layers:
+        bar.set_postfix_str(f"weights of layer {i}")
+        weights[i] = _Weights(out, cfg, i, experts, seed, dev)
+    caches = [layer_caches(cfg, i, total, state_len, seed, "synth-caches", dev) if cfg.has_k1(i) else None
+              for i in layers]
+    rec = _Recorder(out, cfg, experts, meta, prod, weights, total)
+    stack = Stack.build(cfg, layers, backend, [weights[i].weights for i in layers], caches=caches, fmt=experts,
+                        num_spec=num_spec, observer=rec)
+    bar.set_postfix_str("")
     for t in range(steps):
+        ms = mix.step()
         g = rsynth.gen("cpu", seed, "synth-step", t)
-        na = (torch.tensor(num_acc[t], dtype=torch.int32) if num_acc is not None
-              else torch.randint(1, L + 1, (R,), generator=g, dtype=torch.int32))
         prefix, blocks, delta = rsynth.carry(cfg, S, layers[0], g, "cpu", with_delta=layers[0] > 0)
         if layers[0] == 0:
             prefix = blocks[:, 0].clone()  # layer 0: the prefix is the embedding itself
         prefix, blocks = prefix.to(dev), blocks.to(dev)
         delta = None if delta is None else delta.to(dev)
-        for i in layers:
-            if i not in state:
-                bar.set_postfix_str(f"weights of layer {i}")
-                state[i] = _LayerState(out, cfg, i, experts, seed, dev, total, state_len)
-            ls = state[i]
-            k2key = None if ls.kind == "dense" else k2_build(cfg, i, S, experts)
-            recs = [cap.StepRecord(step=t, layer=i, rank=r, world=cfg.world, kind=ls.kind, fmt=experts,
-                                   k2_key=k2key, k2_in=None, k2_weights=ls.addr2[r] if ls.addr2 else None, cfg=cfg,
-                                   meta=meta)
-                    for r in range(cfg.world)]
-            if ls.kind in cap.K1_KINDS:
-                k1key = k1_build(cfg, i, S, L, delta is not None, state_len)
-                cores = []
-                for r, rec in enumerate(recs):
-                    a = dict(prefix=prefix.clone(), delta=None if delta is None else delta.clone(),
-                             blocks=blocks.clone(), conv_state=ls.conv[r], rstate=ls.rstate[r],
-                             st_idx=st_idx.to(dev), num_acc=na.to(dev),
-                             core_out=cap.poison_(torch.empty(S, cfg.p, dtype=BF16, device=dev)), layer=i)
-                    rec.k1_in = dict(prefix=a["prefix"].clone(), delta=delta, blocks=a["blocks"].clone(),
-                                     conv_state=cap.compact_cache(a["conv_state"], smap),
-                                     rstate=cap.compact_cache(a["rstate"], smap), st_idx=st_idx, num_acc=na)
-                    kda_pre(k1key, **a, **ls.k1[r])
-                    rec.k1_after = dict(prefix=a["prefix"], blocks=a["blocks"],
-                                        conv_state=cap.compact_cache(a["conv_state"], smap),
-                                        rstate=cap.compact_cache(a["rstate"], smap), core_out=a["core_out"])
-                    rec.k1_key, rec.k1_weights = k1key, ls.addr1[r]
-                    rec.slot_map, rec.conv_slots, rec.rec_slots = smap, total, total
-                    rec.conv_layout = cap.conv_layout_of(ls.conv[r])
-                    cores.append(a["core_out"])
-                prefix, blocks = recs[0].k1_after["prefix"], recs[0].k1_after["blocks"]
-            else:
-                x = _mla_pre(prefix, delta, blocks, ls.k1[0], i, cfg, num)
-                # o_proj input of the stand-in attention: one bf16 rounding after the fp32 GEMM
-                cores = [num.bf(num.mm(x, ls.mla[r])) for r in range(cfg.world)]
-            if ls.kind == "dense":
-                prefix = prefix.clone()
-                mlp_out = dense_mlp(cfg, i, cores, prefix, blocks, ls.dense, num)
-                for rec in recs:
-                    rec.dense_after = dict(prefix=prefix, out=mlp_out)
-                    written.append(cap.write_capture(out, rec, prod))
-                delta = mlp_out
-                bar.update(1)
-                continue
-            ranks = [dict(core=cores[r].clone(), prefix=prefix.clone(), blocks=blocks.clone(),
-                          out=cap.poison_(torch.empty(S, cfg.hidden, dtype=BF16, device=dev)), layer=i, **ls.k2[r])
-                     for r in range(cfg.world)]
-            for r, rec in enumerate(recs):
-                rec.k2_in = dict(core=cores[r], prefix=prefix.clone(), blocks=blocks.clone())
-            ref.k2_world(k2key, ranks, launch=k2_launch)
-            for r, rec in enumerate(recs):
-                if not torch.equal(ranks[r]["out"], ranks[0]["out"]):
-                    raise RuntimeError(f"reference: K2 out differs between rank 0 and rank {r}")
-                rec.k2_after = dict(prefix=ranks[r]["prefix"], out=ranks[r]["out"], blocks=ranks[r]["blocks"])
-                written.append(cap.write_capture(out, rec, prod))
-            prefix, delta = ranks[0]["prefix"].clone(), ranks[0]["out"].clone()
-            bar.update(1)
+        rec.begin(t, ms.st_idx, ms.num_acc, L)
+        step = SpecStep(ms.st_idx.to(dev), ms.num_acc.to(dev), L, ms.fresh)
+        stack.launch(step, prefix, blocks, delta, each=lambda *_: bar.update(1))
     bar.close()
-    return list(dict.fromkeys(p.parent for p in written))
+    return list(dict.fromkeys(p.parent for p in rec.written))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -293,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=None, help="R (default: max(1, 8 // L), so S ≤ 8)")
     p.add_argument("--padding", type=int, default=None, help="padding requests among R (default: 1 if R ≥ 2)")
     p.add_argument("--world", type=int, default=None, help="TP size (default: the preset's)")
+    p.add_argument("--accept", default="random", help=f"acceptance: {' | '.join(ACCEPT_MODES)}")
+    p.add_argument("--lifetime", type=int, default=0,
+                   help="mean request lifetime in steps: requests join and leave (default 0: they stay)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-git", action="store_true", help="do not record the git revision")
     p.add_argument("--out", required=True)
@@ -307,7 +388,8 @@ def cli(argv) -> int:
     except ValueError as e:
         raise InputError("config", str(e).split(": ", 1)[-1]) from None
     sets = synthesize(cfg, a.layers, a.steps, a.num_spec, a.experts, a.seed, a.out, requests=a.requests,
-                      padding=a.padding, world=a.world, device=a.device, progress=not a.quiet, git=not a.no_git)
+                      padding=a.padding, world=a.world, device=a.device, progress=not a.quiet, git=not a.no_git,
+                      accept=a.accept, lifetime=a.lifetime)
     n = sum(1 for s in sets for _ in s.glob("rank*.safetensors"))
     print(f"synth: wrote {n} captures in {len(sets)} sets under {a.out}")
     return 0

@@ -5,13 +5,18 @@ exact  — fp32 compute, `bf()` rounds to bf16 (round-to-nearest-even) at the
 oracle — float64 compute, `bf()` is the identity (no bf16 rounding at all);
 perturb=seed (exact only) — split-K chunk order of every GEMM and the chunk order of
          every other fp32 reduction (AttnRes, norms, conv taps, recurrence dots), drawn
-         from the seed, to measure the reference's own spread.
+         from the seed, and every GEMM output moved by a relative N(0, 2^-20) jitter (the
+         order of a K = 7168 fp32 dot moves it by up to ~√K·2^-24 of Σ|terms|): what a
+         correct fused kernel may change, to measure the reference's own spread. Orders the
+         contract fixes (the rank order of the reductions, the pick order of the routed sum)
+         are left alone.
 """
 from __future__ import annotations
 
 import torch
 
 MODES = ("exact", "oracle")
+JITTER = 2.0 ** -20  # relative std of the GEMM-output jitter under perturb
 
 
 class Num:
@@ -77,7 +82,8 @@ class Num:
             lo, hi = bounds[i], bounds[i + 1]
             part = _no_tf32(lambda: a[..., lo:hi] @ w[..., lo:hi].transpose(-1, -2))
             acc = part if acc is None else acc + part
-        return acc
+        jit = torch.randn(acc.shape, generator=self._gen, dtype=acc.dtype) * JITTER
+        return acc * (1 + jit.to(acc.device))
 
 
 def _no_tf32(fn):

@@ -13,6 +13,7 @@ Two implementations of one interface, `all_reduce(x, rank) -> fp32 sum`:
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -81,9 +82,11 @@ class DistComm:
         return ordered_sum(parts, self.order)
 
 
-def run_world(world: int, fn: Callable[[int], object], comm=None) -> list:
-    """Run fn(rank) for every rank in its own thread; re-raise the first failure
-    (after breaking `comm`'s barrier so the other ranks do not wait for it)."""
+def run_world(world: int, fn: Callable[[int], object], comm=None, timeout: float | None = None) -> list:
+    """Run fn(rank) for every rank in its own (daemon) thread; re-raise the first failure
+    (after breaking `comm`'s barrier so the other ranks do not wait for it). With `timeout`
+    (seconds for the whole world) a rank still running then is abandoned: `comm` is aborted and
+    TimeoutError names it."""
     if world == 1:
         return [fn(0)]
     results: list = [None] * world
@@ -97,11 +100,17 @@ def run_world(world: int, fn: Callable[[int], object], comm=None) -> list:
             if comm is not None and hasattr(comm, "abort"):
                 comm.abort()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"k3rank{r}") for r in range(world)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"k3rank{r}", daemon=True) for r in range(world)]
     for t in threads:
         t.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
     for t in threads:
-        t.join()
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        if comm is not None and hasattr(comm, "abort"):
+            comm.abort()
+        raise TimeoutError(f"rank(s) {hung} of {world} did not finish within {timeout:g} s")
     first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:

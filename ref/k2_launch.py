@@ -79,13 +79,12 @@ def k2_world(key: K2Build, ranks: Sequence[dict], launch: Callable | None = None
 
     ranks: one kwarg dict per rank (the K2 names without rank/comm; may hold taps={}).
     launch: a backend's k2_launch (default: the reference). extra: passed to every rank
-    (mode=, perturb=, ...). Under the reference's perturb the rank order is permuted too.
+    (mode=, perturb=, ...). The reductions keep rank order (the contract) unless `order` says
+    otherwise.
     """
     launch = launch or k2_launch
     world = len(ranks)
     if comm is None:
-        if order is None and extra.get("perturb") is not None:
-            order = Num("exact", extra["perturb"] + 7919).perm(world)
         comm = SimWorld(world, order)
     run_world(world, lambda r: launch(key, **ranks[r], **extra, rank=r, comm=comm), comm)
 

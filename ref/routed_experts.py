@@ -34,6 +34,6 @@ def routed_experts(lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     acc = torch.einsum("skr,sklr->skl", v, W2[pick].reshape(S, K, W2.shape[1], ri))
     contrib = num.f(num.bf(acc * num.f(weights)[..., None]))  # [S, K, LAT]
     y = torch.zeros(S, lat.shape[1], dtype=num.dtype, device=lat.device)
-    for k in num.perm(K):  # the accumulation order is the contract: one rounding per add
+    for k in range(K):  # the pick order is the contract (perturb leaves it): one rounding per add
         y = num.f(num.bf(y + contrib[:, k]))
     return num.bf(y)

@@ -43,7 +43,53 @@ def test_lane_split(lpr):
             assert got[lane ^ off][1] == got[lane][1]
 
 
-@pytest.mark.parametrize("hd,ks", [(16, 4), (32, 4), (16, 2), (8, 8)])
+@pytest.mark.parametrize("ksplit,groups", [(1, 4), (2, 2), (4, 1)])
+def test_gemv_waves(ksplit, groups):
+    got = L.evaluate(L.gemv_waves(ksplit, groups), indices=range(ksplit * groups))
+    assert got == [(w % ksplit, w // ksplit) for w in range(ksplit * groups)]
+    assert sorted(got) == sorted((k, g) for k in range(ksplit) for g in range(groups))
+
+
+@pytest.mark.parametrize("K,N", [(7168, 6288), (7168, 896), (3584, 896), (1536, 7168), (768, 7168), (128, 160),
+                                 (32, 64), (7168, 3584)])
+def test_gemv_chunks_cover_k_once(K, N):
+    """Every 8-element chunk of K is added by exactly one (lane, step, split) of the planned
+    GEMV, the masked tail lanes add nothing, and a split's chunks are contiguous."""
+    from fast.flydsl import kernels as KN
+
+    sp = KN.plan_gemv("t", 8, N, K, "bf16")
+    lpr, cps, ks = sp.lpr, sp.chunks_per_split, sp.ksplit
+    full, tail = cps // lpr, cps % lpr
+    steps = full + (1 if tail else 0)
+    spec = L.gemv_chunks(lpr, steps, ks, cps)
+    pts = _all((lpr, steps, ks))
+    got = L.evaluate(spec, coords=pts)
+    taken = []
+    for (klane, it, k), c in zip(pts, got):
+        if it < full or klane < tail:  # the kernel's mask on the last step
+            assert k * cps <= c < (k + 1) * cps
+            taken.append(c)
+    assert sorted(taken) == list(range(K // 8))
+    # the lanes of one step read adjacent chunks (one coalesced 16·lpr-byte row segment)
+    for k in range(ks):
+        row = [c for (kl, it, kk), c in zip(pts, got) if it == 0 and kk == k]
+        assert row == list(range(k * cps, k * cps + lpr))
+
+
+def test_gemv_plan_reaches_the_wave_target_or_the_split_limit():
+    from fast.flydsl import kernels as KN
+
+    for K, N in [(7168, 6288), (7168, 896), (3584, 896), (1536, 7168), (768, 7168)]:
+        sp = KN.plan_gemv("t", 8, N, K, "bf16")
+        assert sp.ksplit in (1, 2, 4) and (K // 8) % sp.ksplit == 0 and sp.chunks_per_split >= sp.lpr
+        waves = sp.grid * sp.waves
+        if sp.ksplit < 4 and waves < KN.GEMV_WAVES:
+            nxt = dataclasses.replace(sp, ksplit=sp.ksplit * 2)
+            assert (K // 8) % nxt.ksplit or nxt.chunks_per_split < nxt.lpr, (K, N, sp)
+        assert sp.grid * sp.rows_per_block >= N > (sp.grid - 1) * sp.rows_per_block
+
+
+@pytest.mark.parametrize("hd,ks", [(16, 4), (32, 4), (16, 2), (8, 8), (128, 8), (16, 8)])
 def test_kda_split_and_columns(hd, ks):
     split, kcol = L.kda_split(hd, ks), L.kda_kcol(hd, ks)
     coords = L.evaluate(split, indices=range(hd * ks))
@@ -172,6 +218,54 @@ def test_every_build_key_field_changes_a_kernel(which):
         assert {st.kernel for st in p.launches} != base, f"{which}: field {f.name} reaches no kernel"
 
 
+def test_weight_dtypes_reach_the_kernels():
+    """conv_w and the router bias in fp32 (what vLLM passes) or bf16 compile to different
+    conv / top-k kernels, and the compile placeholders carry that dtype."""
+    from fast.flydsl import build as B
+    from fast.flydsl import dims_for
+    from ref.config import get_config, k1_build, k2_build
+
+    cfg = get_config("tiny")
+    kern = {}
+    for dt in ("f32", "bf16"):
+        d1, d2 = dims_for(cfg, 8, 4, conv_w=dt, bias=dt)
+        k1 = k1_build(cfg, 1, 8, 4, True, d1["SL"])
+        k2 = k2_build(cfg, 1, 8, "mxfp4")
+        D1, D2 = B.K1Dims(**d1), B.K2Dims(**d2)
+        assert B.k1_abi_shapes(k1, D1)["conv_w"][1] == B.DTYPES[dt]
+        assert B.k2_abi_shapes(k2, D2)["bias"][1] == B.DTYPES[dt]
+        conv = next(st for st in B.k1_program(k1, D1).launches if st.factory == "conv")
+        topk = next(st for st in B.k2_program(k2, D2).launches if st.factory == "topk")
+        assert conv.spec.w_dtype == dt and topk.spec.bias == dt
+        kern[dt] = (conv.kernel, topk.kernel)
+    assert kern["f32"][0] != kern["bf16"][0] and kern["f32"][1] != kern["bf16"][1]
+    assert dims_for(cfg, 8, 4)[0]["conv_w"] == "f32" and dims_for(cfg, 8, 4)[1]["bias"] == "f32"
+
+
+def test_a8w4_program():
+    """a8w4: the latent is MXFP8-quantized (lat_mx8q) and the expert GEMMs read those fp32
+    values with MXFP4 weights and uint8 E8M0 scales."""
+    from fast.flydsl import build as B
+    from fast.flydsl import dims_for
+    from ref.config import get_config, k2_build
+
+    cfg = get_config("tiny")
+    _, d2 = dims_for(cfg, 8, 4)
+    D2 = B.K2Dims(**d2)
+    key = k2_build(cfg, 1, 8, "a8w4")
+    prog = B.k2_program(key, D2)
+    labels = [st.label for st in prog.launches]
+    assert "k2.lat_mx8q" in labels and "k2.lat_mxq" not in labels
+    up = next(st for st in prog.launches if st.label.startswith("k2.experts_up"))
+    act = next(st for st in prog.launches if st.label.startswith("k2.experts_act"))
+    assert up.args[0] == "latq" and up.spec.fmt == "a8w4" and act.spec.fmt == "a8w4"
+    sh = B.k2_abi_shapes(key, D2)
+    assert sh["w13"] == ((cfg.experts, 2 * cfg.ri, cfg.lat // 2), torch.uint8)
+    assert sh["w13s"] == ((cfg.experts, 2 * cfg.ri, cfg.lat // 32), torch.uint8)
+    mx = {st.kernel for st in B.k2_program(k2_build(cfg, 1, 8, "mxfp4"), D2).launches}
+    assert {st.kernel for st in prog.launches if "experts" in st.label or "lat_mx" in st.label}.isdisjoint(mx)
+
+
 # ---------------------------------------------------------------- toolchain
 
 def test_ld_lld_shim_and_message(tmp_path, monkeypatch):
@@ -206,6 +300,7 @@ amdhsa.kernels:
       - .offset:         0
         .size:           8
     .group_segment_fixed_size: 96
+    .max_flat_workgroup_size: 64
     .name:           other
     .private_segment_fixed_size: 16
     .sgpr_count:     9
@@ -218,6 +313,7 @@ amdhsa.kernels:
       - .offset:         0
         .size:           8
     .group_segment_fixed_size: 2048
+    .max_flat_workgroup_size: 256
     .name:           k3_x
     .private_segment_fixed_size: 0
     .sgpr_count:     33
@@ -229,7 +325,7 @@ amdhsa.target:   amdgcn-amd-amdhsa--gfx950
 	.end_amdgpu_metadata
 """
     assert toolchain.parse_isa(text, "k3_x") == dict(vgpr=128, agpr=0, sgpr=33, lds=2048, scratch=0, vgpr_spill=0,
-                                                     sgpr_spill=0, wavefront=64)
+                                                     sgpr_spill=0, wavefront=64, wg_size=256)
     assert toolchain.parse_isa(text, "other")["scratch"] == 16
     with pytest.raises(toolchain.ToolchainError):
         toolchain.parse_isa(text, "missing")

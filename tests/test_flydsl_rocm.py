@@ -49,9 +49,15 @@ def _close(name, got, want, cos=0.9999, rel=1e-2):
     assert _rel(got, want) <= rel, f"{name}: rel L2 {_rel(got, want):.3e} > {rel}"
 
 
+@pytest.mark.parametrize("conv_w", ["f32", "bf16"])
 @pytest.mark.parametrize("layer,delta", [(1, True), (2, True), (0, False)])
-def test_k1_against_reference(seed, layer, delta):
+def test_k1_against_reference(seed, layer, delta, conv_w):
     key, kw = make_k1(TINY, seed, layer=layer, R=2, L=4, with_delta=delta, pad_every=2, spare=3)
+    if conv_w == "f32":  # vLLM's fp32 conv1d.weight: values off the bf16 grid
+        kw["conv_w"] = kw["conv_w"].float() * (1.0 + 2.0 ** -12)
+    else:
+        kw["conv_w"] = kw["conv_w"].to(torch.bfloat16)
+    kw["a_log"], kw["dt_bias"] = kw["a_log"].float(), kw["dt_bias"].float()
     want = clone(kw)
     wt = {}
     ref.kda_pre(key, **want, taps=wt)
@@ -89,10 +95,13 @@ def test_k1_against_reference(seed, layer, delta):
     _close("beta", gt["beta"], wt["beta"], cos=0.999999, rel=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int4", "mxfp4"])
+@pytest.mark.parametrize("fmt,bias", [("bf16", "f32"), ("int4", "f32"), ("mxfp4", "f32"), ("a8w4", "f32"),
+                                      ("mxfp4", "bf16")])
 @pytest.mark.parametrize("layer", [1, 2])
-def test_k2_world_against_reference(seed, fmt, layer):
+def test_k2_world_against_reference(seed, fmt, bias, layer):
     key, ranks = make_k2(TINY, seed, layer=layer, fmt=fmt, S=8)
+    for r in ranks:
+        r["bias"] = r["bias"].to(torch.float32 if bias == "f32" else torch.bfloat16)
     want = [dict(clone(r), taps={}) for r in ranks]
     ref.k2_world(key, want)
     got = [dict(_to(clone(r), DEV), taps={}) for r in ranks]
@@ -115,7 +124,7 @@ def test_k2_world_against_reference(seed, fmt, layer):
         assert bool((gap[~same] < 1e-4).all()), f"routing differs away from a tie: gaps {gap[~same].tolist()}"
         want = [dict(clone(r), taps={}) for r in ranks]
         ref.k2_world(key, want, force_ids=gids)
-    cos = 0.999 if fmt == "mxfp4" else 0.9999  # an MXFP4 code may flip at a rounding boundary
+    cos = 0.999 if fmt in ("mxfp4", "a8w4") else 0.9999  # a quantized code may flip at a rounding boundary
     for g, w in zip(got, want):
         _close("out", g["out"], w["out"], cos=cos, rel=5e-2)
         _close("prefix", g["prefix"], w["prefix"])

@@ -179,3 +179,77 @@ def test_check_rejects_edited_files(tmp_path, capsys):
     assert cli_main(["golden", "check", "--dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sha256" in err[0]
+
+
+def test_concurrent_regen_refuses(small_set, capsys):
+    """A second regen while one holds the lock: one line, exit 2, the set untouched."""
+    import fcntl
+
+    before = snapshot(small_set / golden.SET)
+    with open(small_set / ".regen.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        with pytest.raises(InputError, match="holds the lock"):
+            golden.regen(small_set, force=True, cases=SMALL, progress=False, out=lambda s: None)
+        assert cli_main(["golden", "regen", "--force", "--dir", str(small_set), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lock" in err[0]
+    assert snapshot(small_set / golden.SET) == before
+
+
+def test_swap_is_one_atomic_exchange(tmp_path, monkeypatch):
+    """The new set replaces the old by one renameat2 exchange: no moment without golden/set."""
+    assert golden.regen(tmp_path, cases=SMALL, progress=False, out=lambda s: None) == 0
+    seen = []
+    real = golden._exchange
+
+    def spy(a, b):
+        ok = real(a, b)
+        seen.append(ok)
+        assert (tmp_path / golden.SET / "manifest.json").is_file()
+        return ok
+
+    monkeypatch.setattr(golden, "_exchange", spy)
+    monkeypatch.setattr(golden, "SEED", golden.SEED + 3)
+    assert golden.regen(tmp_path, force=True, cases=SMALL, progress=False, out=lambda s: None) == 0
+    assert seen == [True] and golden.check(tmp_path) == []
+    assert not list(tmp_path.glob(".set.*"))
+
+
+def _rewrite_manifest(live, edit):
+    import json
+
+    man = json.loads((live / "manifest.json").read_text())
+    edit(man)
+    (live / "manifest.json").write_text(json.dumps(man))
+
+
+def test_check_wants_exactly_the_manifest_cases(tmp_path):
+    import shutil
+
+    assert golden.regen(tmp_path, cases=SMALL, progress=False, out=lambda s: None) == 0
+    live = tmp_path / golden.SET
+    # an empty set is no golden set
+    _rewrite_manifest(live, lambda m: m.update(cases=[]))
+    with pytest.raises(InputError, match="lists no cases"):
+        golden.check(tmp_path)
+    shutil.rmtree(tmp_path / golden.SET)
+    assert golden.regen(tmp_path, cases=SMALL, progress=False, out=lambda s: None) == 0
+    # a whole capture set gone, its files dropped from the manifest too (hashes stay consistent)
+    (sp,) = [p for p in live.iterdir() if p.is_dir()][0].glob("s*_l*")
+    gone = {p.relative_to(live).as_posix() for p in sp.rglob("*.safetensors")}
+    exp = sp.parent / "expected" / f"{sp.name}.safetensors"
+    gone.add(exp.relative_to(live).as_posix())
+    shutil.rmtree(sp)
+    exp.unlink()
+    _rewrite_manifest(live, lambda m: [m["files"].pop(f) for f in gone])
+    with pytest.raises(InputError, match="is missing"):
+        golden.check(tmp_path)
+
+
+def test_interrupted_swap_is_named_by_check(tmp_path):
+    assert golden.regen(tmp_path, cases=SMALL, progress=False, out=lambda s: None) == 0
+    (tmp_path / golden.SET).rename(tmp_path / ".set.old-crash")
+    with pytest.raises(InputError, match="interrupted mid-swap"):
+        golden.check(tmp_path)
+    assert golden.regen(tmp_path, cases=SMALL, progress=False, out=lambda s: None) == 0  # restores it
+    assert golden.check(tmp_path) == []

@@ -166,10 +166,33 @@ def test_default_policy_is_complete():
     assert pol.tie_eps("bf16") > 0
 
 
-def _judge_default(stage, out, fmt, a, b, view="chained"):
+def _judge_default(stage, out, fmt, a, b, view="chained", config=None):
     pol = load_policy()
-    m = compare(a, b, dims=out, **pol.compare_kw(stage, out, fmt, view))
-    return {r.name: r for r in judge(pol, stage, out, fmt, m, view=view)}
+    m = compare(a, b, dims=out, **pol.compare_kw(stage, out, fmt, view, config))
+    return {r.name: r for r in judge(pol, stage, out, fmt, m, view=view, config=config)}
+
+
+def test_shipped_policy_is_not_looser_than_its_derivation():
+    """Re-derive the chained limits on the golden set (the same command that wrote the block in
+    golden/tolerances.toml): no shipped limit may be looser than CHECK_SLACK x the derivation, and
+    every derived limit must be set."""
+    import re
+
+    from harness import derive
+
+    text = DEFAULT_POLICY.read_text()
+    m = re.search(r"`k3verify policy derive (\S+) --seeds (\d+)`", text)
+    assert m, "golden/tolerances.toml has no derived block"
+    seeds = int(m.group(2))
+    root = DEFAULT_POLICY.parent / "set"
+    lim = derive.limits(derive.measure(root, seeds, "cpu", progress=False), seeds, "test")
+    assert lim, "nothing derived"
+    assert derive.check(load_policy(), lim) == []
+    # and the check has teeth: a policy with one limit doubled past the slack is caught
+    (cfg, fmt), ent = next(iter(lim.items()))
+    (stage, out, view), e = next((k, v) for k, v in ent.items() if "rel_l2_max" in v)
+    loose = Policy({"stage": {stage: {out: {"rel_l2_max": 10 * derive.CHECK_SLACK * e["rel_l2_max"]}}}})
+    assert any(f"{stage}/{out}" in p for p in derive.check(loose, lim))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "int4"])
@@ -183,11 +206,10 @@ def test_default_policy_separates(rng, fmt):
     flips.view(-1)[idx] += 1  # one bf16 ulp up at 0.2% of the elements
     assert passed(list(_judge_default("k2", "y", fmt, flips.view(BF16), b).values()))
     scaled = (b32 * 1.01).to(BF16)
-    # mxfp4's chained routed tail is as noisy as 10% rel L2 between two correct kernels at
-    # k3-tp8 (golden/tolerances.toml): a 1% gain is the isolated view's to catch there
-    view = "isolated" if fmt == "mxfp4" else "chained"
-    res = _judge_default("k2", "y", fmt, scaled, b, view=view)
-    assert not passed(list(res.values()))
+    # a 1% gain fails the isolated view of every format, and the derived chained limits of tiny
+    for view, config in (("isolated", None), ("isolated", "tiny"), ("chained", "tiny")):
+        res = _judge_default("k2", "y", fmt, scaled, b, view=view, config=config)
+        assert not passed(list(res.values())), (view, config)
     # bookkeeping: a single one-ulp difference in the prefix fails
     res = _judge_default("k1", "prefix", fmt, flips.view(BF16), b)
     assert not res["exact"].passed

@@ -73,19 +73,27 @@ def test_markdown_summary_and_table(rng):
     summary = next(ln for ln in lines if ln.startswith("**"))
     assert re.fullmatch(r"\*\*FAIL\*\* · backend `fake` · device cpu \(x86_64\) · 2 captures \(1 failed\)"
                         r" · 20 comparisons \(1 failed\)", summary), summary
-    header = next(ln for ln in lines if ln.startswith("| stage/output"))
+    header = next(ln for ln in lines if ln.startswith("| stage "))
     cols = [c.strip() for c in header.strip("|").split("|")]
     assert cols == list(report.TABLE_COLUMNS)
-    assert cols == ["stage/output", "criterion", "worst value", "limit", "margin", "used", "worst location",
-                    "captures failing"]
+    assert cols == ["stage", "criterion (metric)", "worst value", "reference's own", "limit", "margin", "used",
+                    "worst location", "captures failing"]
     rows = {r["stage"] + "/" + r["output"]: r for r in report.stage_rows(run)}
     y = rows["k2/y"]
     assert not y["passed"] and y["captures_failing"] == 1 and y["captures"] == 2
     assert y["criterion"] in ("rel_l2_max", "cosine_min") and y["margin"] < 0
     assert y["location"].startswith("s0001_l001 r1 token=")  # the failing capture, rank, named dims
+    assert y["label"] == "k2 · routed experts (y)"
     assert rows["k1/prefix"]["criterion"] == "exact" and rows["k1/prefix"]["passed"]
-    row_y = next(ln for ln in lines if "k2/y" in ln and ln.startswith("|"))
-    assert "**FAIL**" in row_y and "1/2" in row_y
+    assert rows["k1/prefix"]["location"] == "—"  # exact and equal: no worst location
+    co = rows["k1/core_out"]  # an oracle-ratio row shows the reference's own error beside the backend's
+    if co["criterion"] == "oracle_k":
+        assert co["ref_own"] is not None and co["ref_own"] > 0
+    row_y = next(ln for ln in lines if "(y)" in ln and ln.startswith("|"))
+    assert "**FAIL**" in row_y and "1/2" in row_y and "(rel_l2)" in row_y or "(cosine)" in row_y
+    born = report.problem_lines(run)
+    assert born == ["s0001_l001: born at k2 · routed experts (y) rank 1: " + born[0].split("rank 1: ", 1)[1]]
+    assert "### Where the errors were born" in md
     assert md.count("<details>") == 2 and md.count("</details>") == 2
     assert "taps the backend does not expose" in md.lower() and "gate, beta" in md
     assert "### Environment" in md and "abc123" in md
@@ -97,9 +105,9 @@ def test_markdown_summary_and_table(rng):
 TOP_KEYS = {"schema", "backend", "device", "arch", "env", "policy", "options", "started", "duration_s",
             "summary", "captures"}
 SUMMARY_KEYS = {"passed", "captures", "captures_failed", "comparisons", "comparisons_failed", "criteria",
-                "criteria_failed", "criteria_skipped", "errors"}
+                "criteria_failed", "criteria_skipped", "errors", "aborted"}
 CAPTURE_KEYS = {"id", "fmt", "layer", "kind", "step", "world", "passed", "missing_taps", "timings", "errors",
-                "notes", "comparisons"}
+                "notes", "aborted", "comparisons"}
 COMPARISON_KEYS = {"capture", "layer", "kind", "step", "rank", "stage", "output", "view", "passed", "metrics",
                    "criteria", "oracle", "noise", "note"}
 CRITERION_KEYS = {"name", "metric", "value", "limit", "margin", "passed", "used", "skipped", "note"}
@@ -166,28 +174,68 @@ def test_html_without_matplotlib(rng, tmp_path, monkeypatch):
     assert Run.load(tmp_path / "r.json").passed
 
 
-def test_diff_flags_regressions(rng, tmp_path, capsys):
+def test_diff_judges_against_the_limits(rng, tmp_path, capsys):
+    from harness import diff
+
     base = make_run(torch.Generator().manual_seed(1))
     worse = make_run(torch.Generator().manual_seed(1), bad_y=0.05)
-    d = report.diff_runs(base, worse)
+    d = diff.diff_runs(base, worse)
     assert d.worse
-    bad = {(r["stage"], r["output"], r["metric"]) for r in d.rows if r["worse"]}
-    assert ("k2", "y", "rel_l2") in bad and ("k2", "y", "failed") in bad
-    assert not any(o != "y" for _, o, _ in bad)
-    assert not report.diff_runs(base, make_run(torch.Generator().manual_seed(1))).worse
+    assert any("routed experts (y)" in r and "now fails" in r for r in d.regressions), d.regressions
+    bad = {(r["stage"], r["output"]) for r in d.rows if r["worse"]}
+    assert bad == {("k2", "y")}
+    assert not diff.diff_runs(base, make_run(torch.Generator().manual_seed(1))).worse
     pa, pb = base.save(tmp_path / "a.json"), worse.save(tmp_path / "b.json")
-    assert report.cli([str(pa), str(pb)]) == 1
+    assert diff.cli([str(pa), str(pb)]) == 1
     out = capsys.readouterr().out
-    assert out.startswith("WORSE") and "k2/y" in out and "rel_l2" in out
-    assert report.cli([str(pb), str(pa)]) == 0  # the other way round it got better
-    assert "no regression" in capsys.readouterr().out
+    assert out.startswith("WORSE") and "(y)" in out
+    assert diff.cli([str(pb), str(pa)]) == 0  # the other way round it got better: an improvement
+    out = capsys.readouterr().out
+    assert "no regression" in out and "better" in out
     # coverage lost is a regression: B has only one of the two captures
     pc = make_run(torch.Generator().manual_seed(1), with_second=False).save(tmp_path / "c.json")
-    assert report.cli([str(pa), str(pc)]) == 1
+    assert diff.cli([str(pa), str(pc)]) == 1
     assert "missing in the new report" in capsys.readouterr().out
 
 
-def test_diff_bad_input(tmp_path, capsys):
+def test_diff_margin_is_a_share_of_the_budget(rng):
+    """Two passing runs: a criterion moving from 10% to 30% of its budget is within the default
+    margin (a quarter of the budget), from 10% to 60% is not; noise far below the limit never is."""
+    from harness import diff
+
+    def one(err):
+        run = Run(backend="fake", device="cpu")
+        cap = CaptureResult(id="s0000_l001", fmt="bf16", layer=1, kind="kda", step=0, world=1)
+        b = torch.randn(64, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        a = b * (1 + err)
+        cap.comparisons.append(Comparison.judged(POLICY, capture=cap.id, layer=1, kind="kda", step=0, rank=0,
+                                                 stage="k2", output="out", view="chained", fmt="bf16",
+                                                 metrics=compare(a, b, "out")))
+        run.captures.append(cap)
+        return run
+
+    lim = 5e-3
+    r10, r30, r60 = one(0.1 * lim), one(0.3 * lim), one(0.6 * lim)
+    assert all(c.passed for r in (r10, r30, r60) for c in r.comparisons)
+    assert not diff.diff_runs(r10, r30).worse
+    assert diff.diff_runs(r10, r60).worse and diff.diff_runs(r10, r60, margin=0.6).worse is False
+    assert not diff.diff_runs(r60, r10).worse  # an improvement
+    assert not diff.diff_runs(one(1e-9), one(1e-7)).worse  # 100x the error, still ~0% of the budget
+
+
+def test_diff_bad_input(tmp_path, capsys, rng):
     assert k3verify(["diff", str(tmp_path / "none.json"), str(tmp_path / "none2.json")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "not found" in capsys.readouterr().err
+    good = make_run(rng).save(tmp_path / "good.json")
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(bytes(range(256)) * 4)
+    nulls = json.loads(good.read_text())
+    nulls["captures"][0]["comparisons"][0]["metrics"] = None
+    (tmp_path / "null.json").write_text(json.dumps(nulls))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    for bad, field in ((binary, "report"), (tmp_path / "null.json", "metrics"), (deep, "json")):
+        assert k3verify(["diff", str(good), str(bad)]) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and field in err[0], err
     assert k3verify(["diff", "only-one.json"]) == 2

@@ -155,7 +155,7 @@ def test_acceptance_through_slots(run):
             prev, cur = sets[t - 1, i], sets[t, i]
             for r in cur.ranks:
                 pi, ci = prev.inputs(r, "k1"), cur.inputs(r, "k1")
-                assert torch.equal(pi["st_idx"], ci["st_idx"])  # each request keeps its slots
+                assert torch.equal(pi["st_idx"][:2], ci["st_idx"][:2])  # each live request keeps its slots
                 pa = prev.after(r, "k1")
                 # the cache persists: this step reads exactly what the previous step wrote
                 assert torch.equal(ci["rstate"], pa["rstate"]) and torch.equal(ci["conv_state"], pa["conv_state"])
@@ -172,13 +172,15 @@ def test_acceptance_through_slots(run):
 
 def test_padding_requests(run):
     _, sets = run
-    cs = sets[1, 1]
-    st = cs.inputs(0, "k1")["st_idx"]
-    assert st[:2].min() > 0 and st[2].tolist() == [0, 0] and st[3].tolist() == [-1, -1]
-    core = cs.after(0, "k1")["core_out"]
-    assert core[4:].abs().max() == 0 and core[:4].abs().min() > 0  # padding rows: o = 0
-    u = cs.untouched(0)
-    assert 0 in u.rstate_slots and 0 in u.conv_slots
+    for t in (0, 1):  # the null slot of a padding row alternates 0 / -1 by row and step
+        cs = sets[t, 1]
+        st = cs.inputs(0, "k1")["st_idx"]
+        z, m = ([0, 0], [-1, -1]) if t == 0 else ([-1, -1], [0, 0])
+        assert st[:2].min() > 0 and st[2].tolist() == z and st[3].tolist() == m
+        core = cs.after(0, "k1")["core_out"]
+        assert core[4:].abs().max() == 0 and core[:4].abs().min() > 0  # padding rows: o = 0
+        u = cs.untouched(0)
+        assert 0 in u.rstate_slots and 0 in u.conv_slots
 
 
 def test_same_command_same_bytes(tmp_path):
@@ -217,3 +219,92 @@ def test_explicit_acceptance_and_refusals(tmp_path, capsys):
         with pytest.raises(InputError) as e:
             synthesize(**kw)
         assert e.value.field == field
+
+
+# ------------------------------------------------------------------ the request mix (issue H)
+
+
+@pytest.mark.parametrize("R,L,pad,steps", [(2, 4, 1, 2), (2, 4, 0, 1), (4, 2, 1, 1), (3, 3, 2, 2), (8, 1, 1, 1)])
+def test_mix_covers_full_and_zero_extra_acceptance(R, L, pad, steps):
+    """Every random run with R >= 2 shows a = L and a = 1 on live rows (in its first step when that
+    step has two live rows), and both null slots when it has padding over two steps or rows."""
+    from harness.synth import RequestMix
+
+    for seed in range(20):
+        mix = RequestMix(R, L, pad, steps, seed)
+        seen, nulls = set(), set()
+        for t in range(steps):
+            ms = mix.step()
+            seen |= {int(ms.num_acc[r]) for r in ms.live_rows()}
+            nulls |= {int(ms.st_idx[r, 0]) for r in range(R) if not ms.live[r]}
+            assert all(1 <= int(a) <= L for a in ms.num_acc)
+        assert {1, L} <= seen, (seed, seen)
+        if pad * steps >= 2:
+            assert nulls == {0, -1}
+
+
+def test_mix_modes_and_refusals():
+    from harness.synth import RequestMix
+
+    mix = RequestMix(2, 4, 0, 6, 0, accept="none-then-all")
+    assert [mix.step().num_acc.tolist() for _ in range(6)] == [[1, 1]] * 3 + [[4, 4]] * 3
+    mix = RequestMix(2, 4, 0, 2, 0, accept="all")
+    assert mix.step().num_acc.tolist() == [4, 4]
+    for kw, field in ((dict(accept="some"), "accept"), (dict(lifetime=-1), "lifetime")):
+        with pytest.raises(InputError) as e:
+            RequestMix(2, 4, 0, 2, 0, **kw)
+        assert e.value.field == field
+
+
+def test_requests_join_and_leave(tmp_path):
+    """With a short lifetime requests leave (their row turns into padding: null slots, zero core)
+    and join (fresh slots, zeroed before their first step: the capture shows K1 reading zeros)."""
+    from harness.synth import RequestMix
+
+    mix = RequestMix(3, 2, 1, 12, SEED, lifetime=2)
+    steps = [mix.step() for _ in range(12)]
+    ev = [e for ms in steps for e in ms.events]
+    assert any(e.startswith("join") for e in ev) and any(e.startswith("leave") for e in ev)
+    owned = [set(ms.st_idx[r].tolist()) for ms in steps for r in ms.live_rows()]
+    for ms in steps:  # live requests never share a slot
+        live = [s for r in ms.live_rows() for s in ms.st_idx[r].tolist()]
+        assert len(live) == len(set(live)) and min(live, default=1) > 0
+    assert len(owned) > 3
+    sets = synthesize("tiny", "1", steps=12, num_spec=1, experts="bf16", seed=SEED, out=tmp_path, requests=3,
+                      padding=1, progress=False, git=False, lifetime=2)
+    checked = 0
+    for t, p in enumerate(sets):
+        cs = cap.load_set(p)
+        ms = steps[t]
+        assert torch.equal(cs.inputs(0, "k1")["st_idx"], ms.st_idx)
+        smap = cs.captures[0].tensors["state.slot_map"].tolist()
+        k1 = cs.inputs(0, "k1")
+        for s in ms.fresh:
+            assert not k1["rstate"][smap.index(s)].any() and not k1["conv_state"][smap.index(s)].any()
+            checked += 1
+        core = cs.after(0, "k1")["core_out"]
+        for r in range(3):
+            if not ms.live[r]:
+                assert core[2 * r:2 * r + 2].abs().max() == 0
+    assert checked > 0
+    assert cap.load_set(sets[0]).captures[0].manifest["meta"]["synth"]["lifetime"] == 2
+
+
+def test_world_4(tmp_path):
+    """--world 4 (one head a rank on tiny): the reference reproduces what synth wrote, K2 over four ranks."""
+    assert cli_main(["synth", "--layers", "1-3", "--steps", "1", "--num-spec", "1", "--experts", "mxfp4", "--world",
+                     "4", "--seed", "3", "--out", str(tmp_path), "-q", "--no-git"]) == 0
+    for p in cap.discover(tmp_path):
+        cs = cap.load_set(p)
+        assert cs.world == 4 and len(cs.ranks) == 4
+        if cs.has_k1:
+            for r in cs.ranks:
+                a = cs.k1_args(r)
+                ref.kda_pre(cs.k1_key, **a)
+                for n, want in cs.after(r, "k1").items():
+                    assert bits_equal(a[n], want), (cs.name, r, n)
+        ranks = cs.k2_world_args()
+        ref.k2_world(cs.k2_key, ranks)
+        for r in cs.ranks:
+            for n, want in cs.after(r, "k2").items():
+                assert bits_equal(ranks[r][n], want), (cs.name, r, n)

@@ -14,9 +14,10 @@ from . import toolchain
 def compile_build(key, arch: str, debug: bool = False, **dims) -> list[dict]:
     """Compile every launch of one build for `arch` without running it.
 
-    key: KdaPreBuild (dims: S L H NBMAX NP NH HD RK W SL) or K2Build
-    (dims: S H NBMAX P E LAT SI RI UP). One dict per launch: name, kernel, arch,
-    vgpr, agpr, sgpr, lds, scratch, vgpr_spill, sgpr_spill, code_bytes, wavefront, seconds.
+    key: KdaPreBuild (dims: S L H NBMAX NP NH HD RK W SL [conv_w]) or K2Build
+    (dims: S H NBMAX P E LAT SI RI UP [bias]). One dict per launch: name, kernel, arch,
+    vgpr (arch + acc, the unified count), agpr, sgpr, lds, scratch, vgpr_spill, sgpr_spill, code_bytes,
+    wavefront, wg_size, waves (per SIMD), waves_limit, seconds.
     """
     from ref.config import KdaPreBuild
 
@@ -29,12 +30,14 @@ def compile_build(key, arch: str, debug: bool = False, **dims) -> list[dict]:
     return B.compile_program(B.k2_program(key, d), B.k2_abi_shapes(key, d), arch)
 
 
-def dims_for(cfg, tokens: int, qlen: int, state_len: int | None = None) -> tuple[dict, dict]:
-    """(K1 dims, K2 dims) of a config preset at S = tokens, L = qlen."""
+def dims_for(cfg, tokens: int, qlen: int, state_len: int | None = None, conv_w: str = "f32",
+             bias: str = "f32") -> tuple[dict, dict]:
+    """(K1 dims, K2 dims) of a config preset at S = tokens, L = qlen; conv_w / bias are the
+    dtypes ("f32" | "bf16") of those weights (default: what vLLM passes, fp32)."""
     k1 = dict(S=tokens, L=qlen, H=cfg.hidden, NBMAX=cfg.nbmax, NP=cfg.nproj, NH=cfg.nh, HD=cfg.hd, RK=cfg.rank,
-              W=cfg.conv, SL=state_len or cfg.conv - 2 + qlen)
+              W=cfg.conv, SL=state_len or cfg.conv - 2 + qlen, conv_w=conv_w)
     k2 = dict(S=tokens, H=cfg.hidden, NBMAX=cfg.nbmax, P=cfg.p, E=cfg.experts, LAT=cfg.lat, SI=cfg.si, RI=cfg.ri,
-              UP=cfg.up_n)
+              UP=cfg.up_n, bias=bias)
     return k1, k2
 
 

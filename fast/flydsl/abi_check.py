@@ -6,7 +6,7 @@ from ref import abi
 from ref.abi import ArgError
 from ref.config import EXPERT_FORMATS
 
-from .build import K1Dims, K2Dims
+from .build import K1Dims, K2Dims, dtype_name
 
 MAX_TOKENS = 16  # the GEMVs keep one fp32 accumulator per token row in registers
 
@@ -61,7 +61,7 @@ def k1_dims(key, args: dict) -> K1Dims:
     _unit_stride(args)
     _aligned(args, VEC_READ_K1)
     return K1Dims(S=S, L=L, H=d["H"], NBMAX=d["NB"], NP=d["NP"], NH=d["NH"], HD=d["HD"], RK=d["RK"], W=d["W"],
-                  SL=d["SL"])
+                  SL=d["SL"], conv_w=dtype_name(args["conv_w"]))
 
 
 def k2_dims(key, args: dict, rank, comm) -> K2Dims:
@@ -94,4 +94,5 @@ def k2_dims(key, args: dict, rank, comm) -> K2Dims:
     _device(args)
     _unit_stride(args)
     _aligned(args, VEC_READ_K2)
-    return K2Dims(S=d["S"], H=d["H"], NBMAX=d["NB"], P=d["P"], E=d["E"], LAT=lat, SI=d["SI"], RI=ri, UP=d["UP"])
+    return K2Dims(S=d["S"], H=d["H"], NBMAX=d["NB"], P=d["P"], E=d["E"], LAT=lat, SI=d["SI"], RI=ri, UP=d["UP"],
+                  bias=dtype_name(args["bias"]))

@@ -20,6 +20,11 @@ from ref.config import K2Build, KdaPreBuild
 from . import kernels as KN
 
 BF16, F32, I32, U8 = torch.bfloat16, torch.float32, torch.int32, torch.uint8
+DTYPES = {"f32": F32, "bf16": BF16}  # the weights vLLM may pass in either (conv_w, router bias)
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return next(n for n, d in DTYPES.items() if d == t.dtype)
 _LAUNCH_LOCK = threading.Lock()  # host-side dispatch only (K2 ranks may be threads of one process)
 
 
@@ -35,6 +40,7 @@ class K1Dims:
     RK: int
     W: int
     SL: int
+    conv_w: str = "f32"  # conv weight dtype: vLLM passes the fp32 conv1d.weight; bf16 also taken
 
     @property
     def P(self):
@@ -56,6 +62,7 @@ class K2Dims:
     SI: int
     RI: int
     UP: int
+    bias: str = "f32"  # router bias dtype (vLLM: fp32 e_score_correction_bias; bf16 also taken)
 
 
 @dataclass(frozen=True)
@@ -111,18 +118,18 @@ def k1_program(key: KdaPreBuild, dims: K1Dims, debug: bool = False) -> Program:
     d = dims
     P, R, L = d.P, d.R, d.L
     ar = KN.AttnResSpec(mode="k1", S=d.S, H=d.H, NB=key.nblocks, delta=key.delta, write_idx=key.write_idx,
-                        reset=False, eps=key.eps, out_eps=key.out_eps)
+                        reset=False, eps=key.eps, out_eps=key.out_eps, threads=KN.attnres_threads(d.H))
     steps = (
         Launch(f"k1.attnres nb={key.nblocks} w={key.write_idx}{' +delta' if key.delta else ''}", "attnres", ar,
                ("prefix", "delta" if key.delta else "prefix", "blocks", "ares_nw", "ares_qk", "in_nw", "x", "x")),
-        Launch("k1.in_proj", "gemv", KN.GemvSpec("in_proj", d.S, d.NP, d.H, "bf16"),
+        Launch("k1.in_proj", "gemv", KN.plan_gemv("in_proj", d.S, d.NP, d.H, "bf16"),
                ("x", "w_in", "proj", "proj")),
-        Launch("k1.conv", "conv", KN.ConvSpec(R, L, 3 * P, d.W, key.state_len),
+        Launch(f"k1.conv w={d.conv_w}", "conv", KN.ConvSpec(R, L, 3 * P, d.W, key.state_len, d.conv_w),
                ("proj", "conv_w", "conv_state", "st_idx", "num_acc", "conv_out")),
         Launch("k1.gate", "gate", KN.GateSpec(d.S, d.NH, d.HD, d.RK, 4 * P, 4 * P + d.RK, key.lower_bound),
                ("proj", "w_fb", "a_log", "dt_bias", "gate", "beta")),
         Launch("k1.kda+gated_norm" + (" (taps)" if debug else ""), "kda",
-               KN.KdaSpec(R, L, d.NH, d.HD, key.onorm_eps, debug),
+               KN.KdaSpec(R, L, d.NH, d.HD, key.onorm_eps, debug, ksplit=KN.kda_ksplit(d.HD)),
                ("conv_out", "proj", "gate", "beta", "rstate", "st_idx", "num_acc", "on_w", "core_out", "o")),
     )
     scratch = (("x", (d.S, d.H), BF16), ("proj", (d.S, d.NP), BF16), ("conv_out", (d.S, 3 * P), BF16),
@@ -135,7 +142,7 @@ def k1_abi_shapes(key: KdaPreBuild, d: K1Dims, slots: int = 4) -> dict:
     P = d.P
     return dict(prefix=((d.S, d.H), BF16), delta=((d.S, d.H), BF16), blocks=((d.S, d.NBMAX, d.H), BF16),
                 ares_nw=((d.H,), BF16), ares_qk=((d.H,), BF16), in_nw=((d.H,), BF16), w_in=((d.NP, d.H), BF16),
-                w_fb=((P, d.RK), BF16), conv_w=((3 * P, d.W), BF16), conv_state=((slots, 3 * P, d.SL), BF16),
+                w_fb=((P, d.RK), BF16), conv_w=((3 * P, d.W), DTYPES[d.conv_w]), conv_state=((slots, 3 * P, d.SL), BF16),
                 a_log=((d.NH,), F32), dt_bias=((P,), F32), on_w=((d.HD,), BF16),
                 rstate=((slots, d.NH, d.HD, d.HD), F32), st_idx=((d.R, d.L), I32), num_acc=((d.R,), I32),
                 core_out=((d.S, P), BF16))
@@ -148,35 +155,35 @@ def k2_program(key: K2Build, dims: K2Dims) -> Program:
     d = dims
     fmt, K = key.experts, key.topk
     b, lam = key.situ_beta, key.situ_linear_beta
-    mx = fmt == "mxfp4"
+    actq = {"mxfp4": "mxq", "a8w4": "mx8q"}.get(fmt)  # the latent quantized per 32 (MXFP4 / MXFP8)
     scales13 = "w13" if fmt == "bf16" else "w13s"
     scales2 = "w2" if fmt == "bf16" else "w2s"
     ar = KN.AttnResSpec(mode="k2", S=d.S, H=d.H, NB=key.nblocks, delta=False, write_idx=-1, reset=key.reset,
-                        eps=key.eps, out_eps=key.out_eps)
+                        eps=key.eps, out_eps=key.out_eps, threads=KN.attnres_threads(d.H))
     steps = [
-        Launch("k2.o_proj", "gemv", KN.GemvSpec("o_proj", d.S, d.H, d.P, "bf16"), ("core", "w_o", "part", "part")),
+        Launch("k2.o_proj", "gemv", KN.plan_gemv("o_proj", d.S, d.H, d.P, "bf16"), ("core", "w_o", "part", "part")),
         Reduce("part", "dsum"),
         Launch(f"k2.attnres nb={key.nblocks}{' reset' if key.reset else ''}", "attnres", ar,
                ("prefix", "dsum", "blocks", "ares_nw", "ares_qk", "in_nw", "x", "delta")),
-        Launch("k2.router", "gemv", KN.GemvSpec("router", d.S, d.E, d.H, "f32"), ("x", "w_gate", "logits", "logits")),
-        Launch(f"k2.topk k={K}", "topk", KN.TopkSpec(d.S, d.E, K), ("logits", "bias", "topk_ids", "topk_w")),
-        Launch("k2.lat_down", "gemv", KN.GemvSpec("lat_down", d.S, d.LAT, d.H, "bf16"), ("x", "w_ld", "lat", "lat")),
+        Launch("k2.router", "gemv", KN.plan_gemv("router", d.S, d.E, d.H, "f32"), ("x", "w_gate", "logits", "logits")),
+        Launch(f"k2.topk k={K} bias={d.bias}", "topk", KN.TopkSpec(d.S, d.E, K, d.bias), ("logits", "bias", "topk_ids", "topk_w")),
+        Launch("k2.lat_down", "gemv", KN.plan_gemv("lat_down", d.S, d.LAT, d.H, "bf16"), ("x", "w_ld", "lat", "lat")),
     ]
-    if mx:
-        steps.append(Launch("k2.lat_mxq", "ew", KN.EwSpec("mxq", d.S, d.LAT), ("lat", "lat", "latq")))
+    if actq:
+        steps.append(Launch(f"k2.lat_{actq}", "ew", KN.EwSpec(actq, d.S, d.LAT), ("lat", "lat", "latq")))
     steps += [
-        Launch("k2.shared_gu", "gemv", KN.GemvSpec("sh_gu", d.S, 2 * d.SI, d.H, "bf16"), ("x", "w_sgu", "gu", "gu")),
+        Launch("k2.shared_gu", "gemv", KN.plan_gemv("sh_gu", d.S, 2 * d.SI, d.H, "bf16"), ("x", "w_sgu", "gu", "gu")),
         Launch("k2.shared_situ", "ew", KN.EwSpec("situ", d.S, d.SI, beta=b, lam=lam), ("gu", "gu", "h")),
-        Launch("k2.shared_down", "gemv", KN.GemvSpec("sh_down", d.S, d.H, d.SI, "bf16"), ("h", "w_sd", "sh", "sh")),
+        Launch("k2.shared_down", "gemv", KN.plan_gemv("sh_down", d.S, d.H, d.SI, "bf16"), ("h", "w_sd", "sh", "sh")),
         Launch(f"k2.experts_up {fmt}", "moe", KN.MoeSpec("up", fmt, d.S, K, 2 * d.RI, d.LAT),
-               ("latq" if mx else "lat", "topk_ids", "topk_w", "w13", scales13, "egu")),
+               ("latq" if actq else "lat", "topk_ids", "topk_w", "w13", scales13, "egu")),
         Launch(f"k2.experts_act {fmt}", "act", KN.ActSpec(fmt, d.S * K, d.RI, b, lam), ("egu", "ev")),
         Launch(f"k2.experts_down {fmt}", "moe", KN.MoeSpec("down", fmt, d.S, K, d.LAT, d.RI),
                ("ev", "topk_ids", "topk_w", "w2", scales2, "y")),
         Reduce("y", "ysum"),
         Launch("k2.latent_norm", "ew", KN.EwSpec("rms", d.S, d.LAT, eps=key.ln_eps), ("ysum", "ln_w", "ln")),
         Launch("k2.fin_init", "ew", KN.EwSpec("copy", d.S, d.H), ("sh", "sh", "fin")),
-        Launch("k2.up_proj", "gemv", KN.GemvSpec("up", d.S, d.UP, d.LAT, "add_bf16"),
+        Launch("k2.up_proj", "gemv", KN.plan_gemv("up", d.S, d.UP, d.LAT, "add_bf16"),
                ("ln", "w_up", "fin[cols]", "sh[cols]")),
         Reduce("fin", "fsum"),
         Launch("k2.out", "ew", KN.EwSpec("round", d.S, d.H), ("fsum", "fsum", "out")),
@@ -199,11 +206,11 @@ def k2_abi_shapes(key: K2Build, d: K2Dims) -> dict:
         w13s = w2s = None
     else:
         w13, w2 = ((E, 2 * d.RI, d.LAT // 2), U8), ((E, d.LAT, d.RI // 2), U8)
-        sd = U8 if fmt == "mxfp4" else BF16
+        sd = U8 if fmt in KN.E2M1_WEIGHTS else BF16
         w13s, w2s = ((E, 2 * d.RI, d.LAT // 32), sd), ((E, d.LAT, d.RI // 32), sd)
     return dict(core=((d.S, d.P), BF16), w_o=((d.H, d.P), BF16), prefix=((d.S, d.H), BF16),
                 blocks=((d.S, d.NBMAX, d.H), BF16), ares_nw=((d.H,), BF16), ares_qk=((d.H,), BF16),
-                in_nw=((d.H,), BF16), w_gate=((E, d.H), BF16), bias=((E,), F32), w_ld=((d.LAT, d.H), BF16),
+                in_nw=((d.H,), BF16), w_gate=((E, d.H), BF16), bias=((E,), DTYPES[d.bias]), w_ld=((d.LAT, d.H), BF16),
                 w_sgu=((2 * d.SI, d.H), BF16), w_sd=((d.H, d.SI), BF16), w13=w13, w13s=w13s, w2=w2, w2s=w2s,
                 ln_w=((d.LAT,), BF16), w_up=((d.UP, d.LAT), BF16), out=((d.S, d.H), BF16),
                 dsum=((d.S, d.H), F32), ysum=((d.S, d.LAT), F32), fsum=((d.S, d.H), F32))

@@ -166,3 +166,43 @@ def mx_fake_quant32(xs: list) -> list:
     code = mx_scale_code(amax)
     inv, scale = pow2_neg(code), e8m0_value(code)
     return [e2m1_value(e2m1_code(v * inv)) * scale for v in xs]
+
+
+# a8w4 activations: MXFP8 = FP8 E4M3 (fn) elements with an E8M0 scale per 32 (DESIGN §7),
+# the rule of ref/quant.py mx8_fake_quant
+
+_E4M3_MIN_EXP = 121  # fp32 exponent field of 2^-6, E4M3's smallest normal binade
+E4M3_MAX = 448.0
+
+
+def e4m3_value(y):
+    """fp32 -> the nearest FP8 E4M3 (fn) value, as fp32: ties to even, saturating at ±448.
+
+    From 2^-6 up (E4M3 normals) the fp32 mantissa is rounded to 3 bits on the bits
+    (add half an E4M3 ulp less one, plus the kept lsb; clear the 20 dropped bits: a carry
+    moves into the exponent); below, the quantum is the subnormal 2^-9 and a·2^9 is
+    rounded to an integer (roundeven). Both exact."""
+    a = fmath.absf(y)
+    bits = a.bitcast(U32)
+    rn = ((bits + (U32(0x7FFFF) + ((bits >> 20) & 1))) & U32(0xFFF00000)).bitcast(F32)
+    rs = fmath.roundeven(a * 512.0) * (1.0 / 512.0)
+    r = (bits < (_E4M3_MIN_EXP << 23)).select(rs, rn)
+    r = (r > E4M3_MAX).select(F32(E4M3_MAX), r)
+    return fmath.copysign(r, y)
+
+
+def mx8_scale_code(amax):
+    """E8M0 code of an MXFP8 block (OCP MX: floor(log2 amax) - 8, the E4M3 emax): the fp32
+    exponent field of amax minus 8, 0 when that is negative (amax = 0 included)."""
+    e = (amax.bitcast(U32) >> 23) & 0xFF
+    return (e < 8).select(U32(0), e - 8)
+
+
+def mx8_fake_quant32(xs: list) -> list:
+    """32 fp32 values -> their MXFP8 quantize-dequantize values (exact in fp32)."""
+    amax = fmath.absf(xs[0])
+    for v in xs[1:]:
+        amax = fx.max(amax, fmath.absf(v))
+    code = mx8_scale_code(amax)
+    inv, scale = pow2_neg(code), e8m0_value(code)
+    return [e4m3_value(v * inv) * scale for v in xs]

@@ -7,6 +7,7 @@ compile cache key (which hashes the IR text and the target arch). Factories are
 memoized on the spec. Algorithms, work splits and rounding points: docs/flydsl.md.
 """
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -18,16 +19,27 @@ from flydsl.expr import const_expr, gpu, range_constexpr
 
 from . import layouts as LY
 from .device import (BF16, F32, I32, NEG_INF, U8, U32, WAVE, bf16, block_sums, copy_atom, e2m1_value,
-                     e8m0_value, f32, load_chunk, mx_fake_quant32, rbf, row_chunks, rsqrt, sigmoid, silu,
-                     situ, wave_sum)
+                     e8m0_value, f32, load_chunk, mx8_fake_quant32, mx_fake_quant32, rbf, row_chunks, rsqrt,
+                     sigmoid, silu, situ, wave_sum)
 
 VEC = 8  # bf16 elements per 128-bit load
 QB = 32  # quant block (k values per 16 packed bytes)
+E2M1_WEIGHTS = ("mxfp4", "a8w4")  # expert formats with MXFP4 weights (E2M1 codes, E8M0 scales)
+ACT_QUANT = {"mxfp4": mx_fake_quant32, "a8w4": mx8_fake_quant32}  # activations quantized per 32
+EW_QUANT = {"mxq": mx_fake_quant32, "mx8q": mx8_fake_quant32}
 
 
 def kernel_name(kind: str, spec) -> str:
     digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:12]
     return f"k3_{kind}_{digest}"
+
+
+def _min_waves(launch, waves: int):
+    """Ask LLVM for at least `waves` waves per SIMD (amdgpu-waves-per-eu): it then keeps
+    the kernel within 512/waves VGPRs, spilling to scratch rather than exceed them (the
+    compile tier fails on any scratch)."""
+    launch.compile_hints = {**launch.compile_hints, "waves_per_eu": waves}
+    return launch
 
 
 def _pow2_at_least(n: int, cap: int = WAVE) -> int:
@@ -43,10 +55,30 @@ def _cdiv(a: int, b: int) -> int:
 
 # ====================================================================== AttnRes
 
-def _source(blk, t, s: int, c, pre_i, is_prefix: bool):
-    """AttnRes source s at column c: the prefix (also when it was just written to
-    bank row s), else bank row s."""
-    return pre_i if is_prefix else f32(blk[t, s, c])
+def _bank(blk, t, s, c, pre_i, wrow: int, ok):
+    """Bank row s at column c as fp32: the prefix from registers when s is the row this
+    launch wrote (wrow), 0 where `ok` is False (ragged columns)."""
+    v = f32(blk[t, s, c])
+    if wrow >= 0:
+        v = (s == wrow).select(pre_i, v)
+    if ok is not None:
+        v = ok.select(v, 0.0)
+    return v
+
+
+def _dot_sq(v: list, cw: list):
+    """(Σ_i v_i·cw_i, Σ_i v_i²) over a thread's columns, in column order."""
+    dot = F32(0.0)
+    sq = F32(0.0)
+    for vi, ci in zip(v, cw):
+        dot = dot + vi * ci
+        sq = sq + vi * vi
+    return dot, sq
+
+
+def attnres_threads(H: int) -> int:
+    """Threads of an AttnRes block: about 8 columns per thread, 64..1024."""
+    return min(1024, max(WAVE, _pow2_at_least(_cdiv(H, 8), 1024)))
 
 
 @dataclass(frozen=True)
@@ -81,9 +113,12 @@ def attnres(spec: AttnResSpec):
     NSRC = NB + 1
     name = kernel_name("attnres", spec)
 
+    wrow = spec.write_idx if K1 else -1  # the bank row this launch writes (read back from registers)
+
     @fx.struct
     class Smem:
-        red: fx.Array[F32, NWAVES * 2 * NSRC, 16]
+        red: fx.Array[F32, NWAVES * 2, 16]
+        lgt: fx.Array[F32, NSRC, 16]
 
     @flyc.kernel(name=name)
     def kern(PRE: fx.Tensor, DSRC: fx.Tensor, BLK: fx.Tensor, NW: fx.Tensor, QK: fx.Tensor, INW: fx.Tensor,
@@ -92,7 +127,8 @@ def attnres(spec: AttnResSpec):
         tid = gpu.thread_idx.x
         wave = tid // WAVE
         lds = fx.SharedAllocator().allocate(Smem).peek()
-        red = lds.red.view(fx.make_layout(NWAVES * 2 * NSRC, 1))
+        red = lds.red.view(fx.make_layout(NWAVES * 2, 1))
+        lgt = lds.lgt.view(fx.make_layout(NSRC, 1))
         cols = [tid + T * i for i in range_constexpr(CPT)]
         ok = [cols[i] < H for i in range_constexpr(CPT)]
         cc = [ok[i].select(cols[i], 0) if const_expr(ragged) else cols[i] for i in range_constexpr(CPT)]
@@ -119,26 +155,21 @@ def attnres(spec: AttnResSpec):
                     BLK[t, spec.write_idx, cols[i]] = p
             pre.append(f32(p))
 
-        def source(s, i):
-            return _source(BLK, t, s, cc[i], pre[i], s == NB or (K1 and s == spec.write_idx))
-
-        # 2. AttnRes logits: per source Σ v·c and Σ v² (c = res_norm.w ⊙ res_proj.w in fp32)
+        # 2. AttnRes logits: per source Σ v·c and Σ v² (c = res_norm.w ⊙ res_proj.w in fp32);
+        # bank rows in a device loop (one row's values live at a time), the prefix last
         cw = [f32(NW[cc[i]]) * f32(QK[cc[i]]) for i in range_constexpr(CPT)]
         if const_expr(ragged):
             cw = [ok[i].select(cw[i], 0.0) for i in range_constexpr(CPT)]
-        parts = []
-        for s in range_constexpr(NSRC):
-            dot = F32(0.0)
-            sq = F32(0.0)
-            for i in range_constexpr(CPT):
-                v = source(s, i)
-                if const_expr(ragged):
-                    v = ok[i].select(v, 0.0)
-                dot = dot + v * cw[i]
-                sq = sq + v * v
-            parts += [dot, sq]
-        tot = block_sums(parts, red, wave, NWAVES)
-        logit = [tot[2 * s] * rsqrt(tot[2 * s + 1] / float(H) + spec.eps) for s in range_constexpr(NSRC)]
+        if const_expr(NB > 0):
+            for s in range(NB, unroll=1):
+                v = [_bank(BLK, t, s, cc[i], pre[i], wrow, ok[i] if const_expr(ragged) else None)
+                     for i in range_constexpr(CPT)]
+                tot = block_sums(list(_dot_sq(v, cw)), red, wave, NWAVES)
+                if tid == 0:
+                    lgt[s] = tot[0] * rsqrt(tot[1] / float(H) + spec.eps)
+        vpre = [ok[i].select(pre[i], 0.0) if const_expr(ragged) else pre[i] for i in range_constexpr(CPT)]
+        tot = block_sums(list(_dot_sq(vpre, cw)), red, wave, NWAVES)  # its barriers publish lgt
+        logit = [lgt[s] for s in range_constexpr(NB)] + [tot[0] * rsqrt(tot[1] / float(H) + spec.eps)]
         m = logit[0]
         for s in range_constexpr(1, NSRC):
             m = fx.max(m, logit[s])
@@ -146,19 +177,21 @@ def attnres(spec: AttnResSpec):
         z = ex[0]
         for s in range_constexpr(1, NSRC):
             z = z + ex[s]
-        prob = [ex[s] / z for s in range_constexpr(NSRC)]
 
-        # mixed = Σ_s p_s·v_s over raw v (fp32, not rounded), then the input RMSNorm
-        mixed = []
+        # mixed = Σ_s p_s·v_s over raw v (fp32, not rounded; sources in order, bank rows
+        # re-read), then the input RMSNorm
+        mixed = [F32(0.0) for _ in range_constexpr(CPT)]
+        if const_expr(NB > 0):
+            for s in range(NB, unroll=1):
+                pw = fx.math.exp(lgt[s] - m) / z  # the same ops as ex[s] / z
+                mixed = [mixed[i] + pw * _bank(BLK, t, s, cc[i], pre[i], wrow, None) for i in range_constexpr(CPT)]
+        ppre = ex[NB] / z
+        mixed = [mixed[i] + ppre * pre[i] for i in range_constexpr(CPT)]
+        if const_expr(ragged):
+            mixed = [ok[i].select(mixed[i], 0.0) for i in range_constexpr(CPT)]
         sq = F32(0.0)
         for i in range_constexpr(CPT):
-            acc = prob[0] * source(0, i)
-            for s in range_constexpr(1, NSRC):
-                acc = acc + prob[s] * source(s, i)
-            if const_expr(ragged):
-                acc = ok[i].select(acc, 0.0)
-            mixed.append(acc)
-            sq = sq + acc * acc
+            sq = sq + mixed[i] * mixed[i]
         ms = block_sums([sq], red, wave, NWAVES)[0]
         r = rsqrt(ms / float(H) + spec.out_eps)
         for i in range_constexpr(CPT):
@@ -171,14 +204,20 @@ def attnres(spec: AttnResSpec):
                XO: fx.Tensor, DO: fx.Tensor, stream: fx.Stream = fx.Stream(None)):
         kern(PRE, DSRC, BLK, NW, QK, INW, XO, DO).launch(grid=(S, 1, 1), block=(T, 1, 1), stream=stream)
 
-    return launch
+    return _min_waves(launch, 4)
 
 
 # ====================================================================== dense GEMV
 
+GEMV_WAVES = 4096  # planning target of a GEMV grid: 4 waves on each of the 1024 SIMDs of a 256-CU MI355X
+
+
 @dataclass(frozen=True)
 class GemvSpec:
-    """y[s, n] = Σ_k x[s, k]·w[n, k] for S ≤ 16 token rows (bf16 x, bf16 w, fp32 sums)."""
+    """y[s, n] = Σ_k x[s, k]·w[n, k] for S ≤ 16 token rows (bf16 x, bf16 w, fp32 sums).
+
+    A block of `waves` waves: `ksplit` adjacent waves share a row group and split K into
+    contiguous ranges; a wave holds WAVE/lpr lane groups of `rpg` rows each."""
 
     tag: str  # which projection (names the kernel)
     S: int
@@ -187,84 +226,135 @@ class GemvSpec:
     out: str  # "bf16": bf16(acc) | "f32": acc | "add_bf16": bf16(acc + res)
     rpg: int = 2  # output rows per lane group
     waves: int = 4
+    ksplit: int = 1  # waves of a block splitting K (1, 2, 4)
+    min_waves: int = 4  # occupancy floor asked of LLVM (waves per SIMD)
 
     @property
     def lpr(self) -> int:
         return _pow2_at_least(self.K // VEC)
 
     @property
+    def chunks_per_split(self) -> int:
+        return self.K // VEC // self.ksplit
+
+    @property
     def rows_per_block(self) -> int:
-        return self.waves * (WAVE // self.lpr) * self.rpg
+        return self.waves // self.ksplit * (WAVE // self.lpr) * self.rpg
 
     @property
     def grid(self) -> int:
         return _cdiv(self.N, self.rows_per_block)
 
 
-def _dot_rows_bf16(x_chunks, w_chunks, klane, lpr: int, nchunks: int, atom):
-    """Per-lane partial sums acc[s][r] = Σ over this lane's chunks c = klane + lpr·it
-    of Σ_e x[s, 8c+e]·w[r, 8c+e]; chunks past the end contribute 0."""
-    S, R = len(x_chunks), len(w_chunks)
-    acc = [[F32(0.0) for _ in range(R)] for _ in range(S)]
-    iters = _cdiv(nchunks, lpr)
-    for it in range(iters):
-        c = klane + lpr * it
-        partial = (it == iters - 1) and (nchunks % lpr != 0)
-        valid = c < nchunks
-        cs = valid.select(c, 0) if partial else c
-        ws = [f32(load_chunk(w_chunks[r], cs, VEC, BF16, atom)) for r in range(R)]
-        for s in range(S):
-            xs = f32(load_chunk(x_chunks[s], cs, VEC, BF16, atom))
-            for r in range(R):
-                d = (xs * ws[r]).reduce(fx.ReductionOp.ADD)
-                if partial:
-                    d = valid.select(d, 0.0)
-                acc[s][r] = acc[s][r] + d
-    return acc
+def plan_gemv(tag: str, S: int, N: int, K: int, out: str) -> GemvSpec:
+    """The GEMV launch of one projection: K split over 1, 2 or 4 waves, the smallest split
+    whose grid reaches GEMV_WAVES waves, as long as every split keeps a full lane step."""
+    sp = GemvSpec(tag, S, N, K, out)
+    for ks in (2, 4):
+        if sp.grid * sp.waves >= GEMV_WAVES:
+            break
+        cand = dataclasses.replace(sp, ksplit=ks)
+        if (K // VEC) % ks or cand.chunks_per_split < cand.lpr:
+            break
+        sp = cand
+    return sp
+
+
+def _gemv_step(acc: list, x_chunks, w_chunks, c, valid, atom) -> list:
+    """acc[s·R + r] += Σ_e x[s, 8c+e]·w[r, 8c+e] (an 8-product sum, then one add); every
+    load of the step is issued before the first product. valid=False adds 0."""
+    R = len(w_chunks)
+    wr = [load_chunk(w, c, VEC, BF16, atom) for w in w_chunks]
+    xr = [load_chunk(x, c, VEC, BF16, atom) for x in x_chunks]
+    ws = [f32(w) for w in wr]
+    out = list(acc)
+    for s, xv in enumerate(xr):
+        xs = f32(xv)
+        for r in range(R):
+            d = (xs * ws[r]).reduce(fx.ReductionOp.ADD)
+            if valid is not None:
+                d = valid.select(d, 0.0)
+            out[s * R + r] = acc[s * R + r] + d
+    return out
 
 
 @functools.lru_cache(maxsize=None)
 def gemv(spec: GemvSpec):
-    """launch(X [S, K] bf16, W [N, K] bf16, Y [S, N], RES [S, N] bf16 (add_bf16 only), stream)"""
-    S, N, K, RPG, LPR = spec.S, spec.N, spec.K, spec.rpg, spec.lpr
+    """launch(X [S, K] bf16, W [N, K] bf16, Y [S, N], RES [S, N] bf16 (add_bf16 only), stream)
+
+    Lane klane of split ks adds chunks ks·CPS + klane + lpr·it (it ascending; CPS chunks of
+    8 per split) into its fp32 partials; an xor butterfly over the lpr lanes; then the
+    ksplit partials are added in split order (LDS) by the wave of split 0."""
+    S, N, K, RPG, LPR, KS = spec.S, spec.N, spec.K, spec.rpg, spec.lpr, spec.ksplit
     if K % VEC:
         raise ValueError(f"gemv {spec.tag}: K={K} is not a multiple of {VEC}")
+    if spec.waves % KS or (K // VEC) % KS:
+        raise ValueError(f"gemv {spec.tag}: ksplit={KS} does not divide {spec.waves} waves and {K // VEC} chunks")
     G = WAVE // LPR
+    RGB = spec.waves // KS  # row groups per block
+    CPS = spec.chunks_per_split
+    FULL, TAIL = CPS // LPR, CPS % LPR  # full lane steps; lanes of the last, partial step
+    NACC = S * RPG
     name = kernel_name(f"gemv_{spec.tag}", spec)
-    split = LY.lane_split(LPR)
+    lanes = LY.lane_split(LPR)
+    wsplit = LY.gemv_waves(KS, RGB)
+    chunks = LY.gemv_chunks(LPR, FULL + (1 if TAIL else 0), KS, CPS)
+
+    @fx.struct
+    class Smem:
+        part: fx.Array[F32, spec.waves * G * NACC, 16]
 
     @flyc.kernel(name=name)
     def kern(X: fx.Tensor, W: fx.Tensor, Y: fx.Tensor, RES: fx.Tensor):
         tid = gpu.thread_idx.x
         lane = tid % WAVE
         wave = tid // WAVE
-        klane, grp = LY.coord_of(split, lane)
-        row0 = ((gpu.block_idx.x * spec.waves + wave) * G + grp) * RPG
+        klane, grp = LY.coord_of(lanes, lane)
+        ks, rg = LY.coord_of(wsplit, wave)
+        row0 = ((gpu.block_idx.x * RGB + rg) * G + grp) * RPG
         rows = [row0 + j for j in range_constexpr(RPG)]
         rowc = [(rows[j] < N).select(rows[j], N - 1) for j in range_constexpr(RPG)]
         atom = copy_atom(BF16)
         xch = [row_chunks(X, (s, None), VEC) for s in range_constexpr(S)]
         wch = [row_chunks(W, (rowc[j], None), VEC) for j in range_constexpr(RPG)]
-        acc = _dot_rows_bf16(xch, wch, klane, LPR, K // VEC, atom)
-        for s in range_constexpr(S):
-            for j in range_constexpr(RPG):
-                acc[s][j] = wave_sum(acc[s][j], LPR)
-        if klane == 0:
+        acc = [F32(0.0) for _ in range_constexpr(NACC)]  # acc[s·RPG + j]
+        for it in range(FULL):  # a device loop: one step's loads live at a time
+            acc = _gemv_step(acc, xch, wch, LY.at(chunks, (klane, it, ks)), None, atom)
+        if const_expr(TAIL):
+            ok = klane < TAIL
+            c = LY.at(chunks, (klane, FULL, ks))
+            acc = _gemv_step(acc, xch, wch, ok.select(c, 0), ok, atom)
+        acc = [wave_sum(acc[i], LPR) for i in range_constexpr(NACC)]
+        if const_expr(KS > 1):
+            lds = fx.SharedAllocator().allocate(Smem).peek()
+            part = lds.part.view(fx.make_layout(spec.waves * G * NACC, 1))
+            base = (wave * G + grp) * NACC
+            if klane == 0:
+                for i in range_constexpr(NACC):
+                    part[base + i] = acc[i]
+            gpu.barrier()
+            # the partials of the K splits, added in split order
+            for i in range_constexpr(NACC):
+                tot = part[(rg * KS * G + grp) * NACC + i]
+                for k in range_constexpr(1, KS):
+                    tot = tot + part[((rg * KS + k) * G + grp) * NACC + i]
+                acc[i] = tot
+        if (klane == 0) & (ks == 0):
             for j in range_constexpr(RPG):
                 if rows[j] < N:
                     for s in range_constexpr(S):
                         if const_expr(spec.out == "bf16"):
-                            Y[s, rows[j]] = bf16(acc[s][j])
+                            Y[s, rows[j]] = bf16(acc[s * RPG + j])
                         if const_expr(spec.out == "f32"):
-                            Y[s, rows[j]] = acc[s][j]
+                            Y[s, rows[j]] = acc[s * RPG + j]
                         if const_expr(spec.out == "add_bf16"):
-                            Y[s, rows[j]] = bf16(acc[s][j] + f32(RES[s, rows[j]]))  # one rounding
+                            Y[s, rows[j]] = bf16(acc[s * RPG + j] + f32(RES[s, rows[j]]))  # one rounding
 
     @flyc.jit
     def launch(X: fx.Tensor, W: fx.Tensor, Y: fx.Tensor, RES: fx.Tensor, stream: fx.Stream = fx.Stream(None)):
         kern(X, W, Y, RES).launch(grid=(spec.grid, 1, 1), block=(spec.waves * WAVE, 1, 1), stream=stream)
 
-    return launch
+    return _min_waves(launch, spec.min_waves)
 
 
 # ====================================================================== K1: conv, gates, KDA
@@ -276,12 +366,13 @@ class ConvSpec:
     C: int  # 3P channels (q|k|v)
     W: int  # conv width
     SL: int  # state_len
+    w_dtype: str  # conv_w: "f32" (vLLM's conv1d.weight) | "bf16"
     threads: int = 256
 
 
 @functools.lru_cache(maxsize=None)
 def conv(spec: ConvSpec):
-    """launch(PROJ [S, NP] bf16, CW [C, W] bf16, CS [slots, C, SL] bf16, ST [R, ≥L] i32,
+    """launch(PROJ [S, NP] bf16, CW [C, W] f32|bf16, CS [slots, C, SL] bf16, ST [R, ≥L] i32,
     NA [R] i32, OUT [S, C] bf16, stream). Thread = (request, channel)."""
     R, L, C, W, T = spec.R, spec.L, spec.C, spec.W, spec.threads
     KEEP = W - 2 + L
@@ -298,9 +389,11 @@ def conv(spec: ConvSpec):
         rd = (sc > 0).select(sc, 0)  # a null slot reads slot 0
         seq = [CS[rd, cc, a - 1 + q] for q in range_constexpr(W - 1)]
         seq += [PROJ[r * L + j, cc] for j in range_constexpr(L)]
-        wq = [f32(CW[cc, q]) for q in range_constexpr(W)]
+        wq = [f32(CW[cc, q]) for q in range_constexpr(W)]  # fp32 or bf16 weights, read exactly
         outs = []
         for j in range_constexpr(L):
+            # fp32 products and sum (an fp32 weight rounds each product to fp32, a bf16 one
+            # makes it exact), then silu; bf16 only at the output
             y = wq[0] * f32(seq[j])
             for q in range_constexpr(1, W):
                 y = y + wq[q] * f32(seq[j + q])
@@ -374,6 +467,12 @@ def gate(spec: GateSpec):
         kern(PROJ, WFB, ALOG, DTB, GATE, BETA).launch(grid=(_cdiv(P, T), S, 1), block=(T, 1, 1), stream=stream)
 
     return launch
+
+
+def kda_ksplit(hd: int) -> int:
+    """Lanes per state row of the KDA kernel: 8 (HD/8 columns each, HD·8 threads) while
+    that fits a block of 1024 threads, else 4."""
+    return 8 if hd * 8 <= 1024 else 4
 
 
 @dataclass(frozen=True)
@@ -487,12 +586,13 @@ class TopkSpec:
     S: int
     E: int
     K: int
+    bias: str  # router bias dtype: "f32" | "bf16" (read exactly)
     threads: int = 256
 
 
 @functools.lru_cache(maxsize=None)
 def topk(spec: TopkSpec):
-    """launch(LOGITS [S, E] f32, BIAS [E] f32, IDS [S, K] i32, TW [S, K] f32, stream).
+    """launch(LOGITS [S, E] f32, BIAS [E] f32|bf16, IDS [S, K] i32, TW [S, K] f32, stream).
 
     One block per token. K rounds of a block-wide argmax of key = σ + bias under the
     total order (key descending, id ascending), NaN keys ranked as -inf; the winner
@@ -526,7 +626,7 @@ def topk(spec: TopkSpec):
         valid = [eid[i] < E for i in range_constexpr(EPT)]
         ec = [valid[i].select(eid[i], 0) for i in range_constexpr(EPT)]
         sig = [sigmoid(LG[t, ec[i]]) for i in range_constexpr(EPT)]
-        key = [sig[i] + BIAS[ec[i]] for i in range_constexpr(EPT)]
+        key = [sig[i] + f32(BIAS[ec[i]]) for i in range_constexpr(EPT)]  # a bf16 bias widens exactly
         key = [fx.math.isnan(key[i]).select(NEG_INF, key[i]) for i in range_constexpr(EPT)]  # NaN ranks last
         live = list(valid)
         tot = F32(0.0)
@@ -586,7 +686,7 @@ def _unpacked_dot(words, xs, fmt: str):
     for wi in range(4):
         for n in range(8):
             code = (words[wi] >> (4 * n)) & 15
-            if fmt == "mxfp4":
+            if fmt in E2M1_WEIGHTS:
                 c = e2m1_value(code)
             else:
                 c = code.to(F32) - 8.0
@@ -595,7 +695,7 @@ def _unpacked_dot(words, xs, fmt: str):
 
 
 def _scale_value(ws, fmt: str):
-    if fmt == "mxfp4":
+    if fmt in E2M1_WEIGHTS:
         return e8m0_value(U32((ws.to(I32) & 0xFF)))
     return f32(ws)  # int4: bf16 scale
 
@@ -607,7 +707,7 @@ class MoeSpec:
     (N = LAT, K = RI)."""
 
     stage: str  # "up" | "down"
-    fmt: str  # "bf16" | "mxfp4" | "int4"
+    fmt: str  # "bf16" | "mxfp4" | "int4" | "a8w4"
     S: int
     TOPK: int
     N: int
@@ -637,7 +737,7 @@ def _moe_row_dot(spec: MoeSpec, X, xrow, W, WS, e, row, klane):
     fmt, K, LPR, CH = spec.fmt, spec.K, spec.lpr, spec.chunk
     nchunks = K // CH
     iters = _cdiv(nchunks, LPR)
-    x_is_f32 = spec.stage == "down" or fmt == "mxfp4"
+    x_is_f32 = spec.stage == "down" or fmt in ACT_QUANT
     xvec = 4 if x_is_f32 else VEC
     xatom = copy_atom(F32 if x_is_f32 else BF16)
     xch = row_chunks(X, (xrow, None), xvec)
@@ -678,7 +778,7 @@ def _vec_elems(v, n):
 
 @functools.lru_cache(maxsize=None)
 def moe(spec: MoeSpec):
-    """up:   launch(A [S, LAT] (bf16; fp32 MXFP4 values for mxfp4), IDS [S, K] i32, TW (unused),
+    """up:   launch(A [S, LAT] (bf16; fp32 MXFP4 / MXFP8 values for mxfp4 / a8w4), IDS [S, K] i32, TW (unused),
                     W13, W13S, GU [S·K, 2RI] f32, stream); grid (row tiles, picks)
     down: launch(V [S·K, RI] f32, IDS, TW [S, K] f32, W2, W2S, Y [S, LAT] bf16, stream);
           grid (row tiles, tokens); the picks are added in top-k order."""
@@ -736,8 +836,8 @@ def moe(spec: MoeSpec):
 
 @dataclass(frozen=True)
 class ActSpec:
-    """Routed SiTU per pick row: v = SiTU(g, u) in fp32, then MXFP4 quantize-dequantize
-    per 32 (mxfp4) or a bf16 rounding (int4, bf16); stored as fp32 values."""
+    """Routed SiTU per pick row: v = SiTU(g, u) in fp32, then quantize-dequantize per 32 to
+    MXFP4 (mxfp4) or MXFP8 (a8w4), or a bf16 rounding (int4, bf16); stored as fp32 values."""
 
     fmt: str
     P: int  # picks S·K
@@ -766,8 +866,8 @@ def act(spec: ActSpec):
             bc = ok.select(b, 0)
             vs = [situ(GU[p, bc * QB + i], GU[p, RI + bc * QB + i], spec.beta, spec.lam)
                   for i in range_constexpr(QB)]
-            if const_expr(spec.fmt == "mxfp4"):
-                vs = mx_fake_quant32(vs)  # a4w4: v quantized per 32, never rounded to bf16
+            if const_expr(spec.fmt in ACT_QUANT):
+                vs = ACT_QUANT[spec.fmt](vs)  # a4w4 / a8w4: v quantized per 32, never rounded to bf16
             else:
                 vs = [rbf(x) for x in vs]  # a16w4 / bf16: v rounded to bf16
             if ok:
@@ -778,7 +878,7 @@ def act(spec: ActSpec):
     def launch(GU: fx.Tensor, V: fx.Tensor, stream: fx.Stream = fx.Stream(None)):
         kern(GU, V).launch(grid=(P, 1, 1), block=(T, 1, 1), stream=stream)
 
-    return launch
+    return _min_waves(launch, 4)
 
 
 @dataclass(frozen=True)
@@ -786,6 +886,7 @@ class EwSpec:
     """Row-wise elementwise ops on [S, N]:
     copy: OUT = A (bf16)            round: OUT = bf16(A) (fp32 in)
     mxq:  OUT = MXFP4 fake-quant of A per 32 (bf16 in, fp32 out)
+    mx8q: OUT = MXFP8 (E4M3) fake-quant of A per 32 (bf16 in, fp32 out)
     situ: OUT[:, i] = bf16(SiTU(A[:, i], A[:, N + i])) (bf16 gate|up in)
     rms:  OUT = bf16(a·rsqrt(mean(a²) + eps)·W), a = bf16(A) (fp32 in)"""
 
@@ -803,7 +904,7 @@ def ew(spec: EwSpec):
     """launch(A, W (rms only; else any tensor), OUT, stream); one block per row."""
     S, N, T, op = spec.S, spec.N, spec.threads, spec.op
     NWAVES = T // WAVE
-    unit = QB if op == "mxq" else 1
+    unit = QB if op in ("mxq", "mx8q") else 1
     NU = N // unit
     UPT = _cdiv(NU, T)
     if N % unit:
@@ -837,9 +938,9 @@ def ew(spec: EwSpec):
                 h = bf16(situ(f32(A[t, uc[m]]), f32(A[t, N + uc[m]]), spec.beta, spec.lam))  # h = bf16(SiTU)
                 if ok[m]:
                     OUT[t, us[m]] = h
-        if const_expr(op == "mxq"):
+        if const_expr(op in ("mxq", "mx8q")):
             for m in range_constexpr(UPT):
-                xs = mx_fake_quant32([f32(A[t, uc[m] * QB + i]) for i in range_constexpr(QB)])
+                xs = EW_QUANT[op]([f32(A[t, uc[m] * QB + i]) for i in range_constexpr(QB)])
                 if ok[m]:
                     for i in range_constexpr(QB):
                         OUT[t, us[m] * QB + i] = xs[i]

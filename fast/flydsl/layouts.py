@@ -20,6 +20,19 @@ def lane_split(lanes_per_row: int, wave: int = 64):
     return (lanes_per_row, wave // lanes_per_row), (1, lanes_per_row)
 
 
+def gemv_waves(ksplit: int, row_groups: int):
+    """GEMV wave -> (ks, rg): `ksplit` adjacent waves share row group rg and take the
+    K splits ks = 0..ksplit-1."""
+    return (ksplit, row_groups), (1, ksplit)
+
+
+def gemv_chunks(lanes_per_row: int, steps: int, ksplit: int, per_split: int):
+    """GEMV (klane, it, ks) -> 8-element K chunk ks·per_split + klane + lanes_per_row·it:
+    split ks owns the contiguous chunks [ks·per_split, (ks+1)·per_split), lane klane takes
+    every lanes_per_row-th of them (a chunk at or past the split's end is masked off)."""
+    return (lanes_per_row, steps, ksplit), (1, lanes_per_row, per_split)
+
+
 def kda_split(hd: int, ksplit: int):
     """KDA thread t -> (kq, v): KSPLIT adjacent lanes own one state row v, lane kq
     holds columns [kq·HD/KSPLIT, (kq+1)·HD/KSPLIT)."""

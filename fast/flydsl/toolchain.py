@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .occupancy import occupancy
+
 ARCHS = ("gfx942", "gfx950")
 _ENV_LOCK = threading.RLock()  # compile-only flips process env vars: one compile at a time
 
@@ -207,6 +209,9 @@ class Resources:
     sgpr_spill: int
     code_bytes: int | None
     wavefront: int
+    wg_size: int  # threads per workgroup (max flat workgroup size)
+    waves: int = 0  # occupancy: waves per SIMD (occupancy.py)
+    waves_limit: str = ""  # what bounds it: vgpr | sgpr | lds | wg
     seconds: float = 0.0  # wall time of the compile (with the ISA dump)
 
 
@@ -219,6 +224,7 @@ _META_KEYS = {
     "vgpr_spill": r"\.vgpr_spill_count:\s+(\d+)",
     "sgpr_spill": r"\.sgpr_spill_count:\s+(\d+)",
     "wavefront": r"\.wavefront_size:\s+(\d+)",
+    "wg_size": r"\.max_flat_workgroup_size:\s+(\d+)",
 }
 
 
@@ -364,6 +370,8 @@ def _compile_measure(jit_fn, args, kernel, arch, keep_dir) -> Resources:
             diff = {k: (r[k], v) for k, v in meta.items() if r[k] != v}
             if diff:
                 raise ToolchainError(f"{kernel} [{arch}]: ISA dump and code object disagree (isa, bin): {diff}")
-        return Resources(code_bytes=code_bytes_of(jit_fn, kernel), seconds=time.perf_counter() - t0, **r)
+        waves, limit = occupancy(arch, r["vgpr"], r["sgpr"], r["lds"], r["wg_size"])
+        return Resources(code_bytes=code_bytes_of(jit_fn, kernel), waves=waves, waves_limit=limit,
+                         seconds=time.perf_counter() - t0, **r)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
