@@ -84,7 +84,8 @@ def test_carry_layer_to_layer(run):
     for t in range(3):
         c0 = sets[t, 0].inputs(0, "k1")
         assert "delta" not in c0 and not sets[t, 0].k1_key.delta
-        assert torch.equal(c0["prefix"], c0["blocks"][:, 0])  # layer 0 starts from the embedding
+        if sets[t, 0].k1_key.nblocks:  # layer 0 starts from the embedding (a row it reads)
+            assert torch.equal(c0["prefix"], c0["blocks"][:, 0])
         for i in range(5):
             prev, nxt = sets[t, i], sets[t, i + 1]
             pa = prev.after(0, "k2" if prev.has_k2 else "dense")
@@ -158,7 +159,15 @@ def test_acceptance_through_slots(run):
                 assert torch.equal(pi["st_idx"][:2], ci["st_idx"][:2])  # each live request keeps its slots
                 pa = prev.after(r, "k1")
                 # the cache persists: this step reads exactly what the previous step wrote
-                assert torch.equal(ci["rstate"], pa["rstate"]) and torch.equal(ci["conv_state"], pa["conv_state"])
+                rd, wr = cur.slots_read(r), prev.slots_read(r)
+                assert prev.captures[r].tensors["state.slot_map"].tolist() == \
+                    cur.captures[r].tensors["state.slot_map"].tolist()
+                pos = lambda ids: [smap0.index(i) for i in ids]  # noqa: E731
+                smap0 = cur.captures[r].tensors["state.slot_map"].tolist()
+                for c, rl, wl in (("rstate", "rstate_read", "rstate_written"), ("conv_state", "conv_read",
+                                                                                  "conv_written")):
+                    both = pos(sorted(set(rd[rl]) & set(wr[wl])))
+                    assert both and torch.equal(ci[c][both], pa[c][both]), c
                 smap = cur.captures[r].tensors["state.slot_map"].tolist()
                 for row, a in zip(ci["st_idx"].tolist(), ci["num_acc"].tolist()):
                     if row[0] <= 0:
@@ -279,9 +288,13 @@ def test_requests_join_and_leave(tmp_path):
         assert torch.equal(cs.inputs(0, "k1")["st_idx"], ms.st_idx)
         smap = cs.captures[0].tensors["state.slot_map"].tolist()
         k1 = cs.inputs(0, "k1")
-        for s in ms.fresh:
-            assert not k1["rstate"][smap.index(s)].any() and not k1["conv_state"][smap.index(s)].any()
-            checked += 1
+        rd = cs.slots_read(0)
+        for s in ms.fresh:  # a fresh slot the step reads starts from zeros
+            if s in rd["rstate_read"]:
+                assert not k1["rstate"][smap.index(s)].any()
+                checked += 1
+            if s in rd["conv_read"]:
+                assert not k1["conv_state"][smap.index(s)].any()
         core = cs.after(0, "k1")["core_out"]
         for r in range(3):
             if not ms.live[r]:

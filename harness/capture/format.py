@@ -200,9 +200,12 @@ def read_header(path: str | os.PathLike) -> Header:
         raw = f.read(n)
     if len(raw) != n:
         raise InputError("file", f"truncated: header of {n} bytes, read {len(raw)}", where)
-    header = loads(raw, "header", where)
+    try:
+        header = loads(raw, "file", where)
+    except InputError as e:
+        raise InputError("file", f"corrupt safetensors header: {e.msg}", where) from None
     if not isinstance(header, dict):
-        raise InputError("header", "corrupt safetensors header (not an object)", where)
+        raise InputError("file", "corrupt safetensors header (not an object)", where)
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise InputError("header.__metadata__", "not a map of strings to strings", where)
@@ -219,14 +222,16 @@ def read_header(path: str | os.PathLike) -> Header:
         off = e["data_offsets"]
         if not _nonneg_ints(off) or len(off) != 2 or off[0] > off[1]:
             raise InputError(f"{fld}.data_offsets", f"{off!r} is not [begin, end] with 0 <= begin <= end", where)
-        if off[1] > data:
-            raise InputError(f"{fld}.data_offsets", f"end {off[1]} beyond the data ({data} bytes): truncated "
-                                                    "or corrupt", where)
         want = math.prod(e["shape"]) * ST_ITEMSIZE[e["dtype"]]
         if off[1] - off[0] != want:
             raise InputError(f"{fld}.data_offsets", f"{off[1] - off[0]} bytes for {e['dtype']} {e['shape']} "
                                                     f"({want} bytes)", where)
         spans.append((off[0], off[1], name))
+    end = max((e for _, e, _ in spans), default=0)
+    if end > data:
+        name = max(spans)[2] if spans else ""
+        raise InputError("file", f"truncated or corrupt: tensor {name!r} ends at data byte {end}, the file "
+                                 f"holds {data}", where)
     spans.sort()
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0 and b1 < e1:

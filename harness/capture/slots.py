@@ -44,7 +44,8 @@ def step_slots(st_idx: torch.Tensor, num_acc: torch.Tensor, qlen: int) -> dict[s
     L = qlen
     idx = st_idx[:, :L].cpu().to(torch.int64).tolist()
     na = num_acc.cpu().tolist()
-    live = [row[a - 1] > 0 for row, a in zip(idx, na)]
+    # a num_acc outside 1..L reads nothing here; the loader refuses it (validate.check_indices)
+    live = [1 <= a <= L and row[a - 1] > 0 for row, a in zip(idx, na)]
     return {"conv_read": sorted({max(row[0], 0) for row in idx}),
             "rstate_read": sorted({row[a - 1] for row, a, ok in zip(idx, na, live) if ok}),
             "conv_written": sorted({row[0] for row in idx if row[0] > 0}),

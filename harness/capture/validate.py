@@ -467,16 +467,16 @@ def check_indices(man: dict, where: str, k1: KdaPreBuild, st_idx: torch.Tensor, 
     """num_acc in 1..L, slots inside the original caches and carried, the slot map, and (schema
     2) the declared read/written slot lists against the ones st_idx and num_acc imply."""
     st = man["state"]
-    sm = slot_map.tolist()
-    _need(bool(sm) and sm[0] == 0 and len(set(sm)) == len(sm) and min(sm) >= 0, SLOT_MAP,
-          "must start with the null slot 0 and list distinct slots", where)
-    for k, what in (("rec_slots", "recurrent"), ("conv_slots", "conv")):
-        _need(max(sm) < st[k], SLOT_MAP, f"slot {max(sm)} outside the {what} cache ({st[k]} slots)", where)
     L = k1.qlen
     try:
         abi.check_k1_indices(st_idx, num_acc, L, st["conv_slots"], st["rec_slots"])
     except abi.ArgError as e:
         raise as_input_error(e, "k1", where) from None
+    sm = slot_map.tolist()
+    _need(bool(sm) and sm[0] == 0 and len(set(sm)) == len(sm) and min(sm) >= 0, SLOT_MAP,
+          "must start with the null slot 0 and list distinct slots", where)
+    for k, what in (("rec_slots", "recurrent"), ("conv_slots", "conv")):
+        _need(max(sm) < st[k], SLOT_MAP, f"slot {max(sm)} outside the {what} cache ({st[k]} slots)", where)
     used = {int(v) for v in st_idx[:, :L].reshape(-1).tolist() if v > 0}
     for v in sorted(used - set(sm)):
         raise InputError("k1.in.st_idx", f"slot {v} is referenced but not carried in state.slot_map", where)
