@@ -3,6 +3,7 @@ layer to layer, acceptance carried step to step through real slots, padding, MLA
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import subprocess
@@ -52,7 +53,34 @@ def test_layout_and_sizes(run):
     n_k2 = sum(TINY.has_k2(i) for i in range(6))
     n_k1 = sum(TINY.has_k1(i) for i in range(6))
     assert (n_k2, n_k1) == (5, 4)
-    assert len(list((out / "weights").glob("*.safetensors"))) == (n_k2 + n_k1) * 2
+    # weights named by recipe (the default): no weight files, a recipe entry per launch and rank
+    assert not (out / "weights").exists()
+    for (t, i), cs in sets.items():
+        for r in cs.ranks:
+            w = cs.captures[r].manifest["weights"]
+            assert [k for k in ("k1", "k2") if w[k]] == [k for k, has in (("k1", TINY.has_k1(i)),
+                                                                           ("k2", TINY.has_k2(i))) if has]
+            assert all(e["source"] == "recipe" and (e["layer"], e["rank"]) == (i, r) for e in w.values() if e)
+            assert len(json.dumps(w)) < 8000
+
+
+def test_stored_weights_flag(tmp_path):
+    sets = synthesize("tiny", "0-2", steps=1, num_spec=1, experts="mxfp4", seed=SEED, out=tmp_path,
+                      progress=False, git=False, weights="stored")
+    n_k2 = sum(TINY.has_k2(i) for i in range(3))
+    n_k1 = sum(TINY.has_k1(i) for i in range(3))
+    assert len(list((tmp_path / "weights").glob("*.safetensors"))) == (n_k2 + n_k1) * 2
+    rec = tmp_path / "recipe"
+    sets_r = synthesize("tiny", "0-2", steps=1, num_spec=1, experts="mxfp4", seed=SEED, out=rec,
+                        progress=False, git=False)
+    for a, b in zip(sets, sets_r):  # the same launches, bit for bit, whichever way the weights are named
+        ca, cb = cap.load_set(a), cap.load_set(b)
+        for r in ca.ranks:
+            assert ca.captures[r].manifest["weights"]["k1"]["source"] == "stored"
+            for k in ("k1", "k2"):
+                wa, wb = ca.weights(r, k), cb.weights(r, k)
+                assert sorted(wa) == sorted(wb) and all(torch.equal(wa[n], wb[n]) for n in wa)
+            assert ca.captures[r].manifest["tensors"] == cb.captures[r].manifest["tensors"]
 
 
 def test_reference_reproduces_after(run):
@@ -201,7 +229,7 @@ def test_same_command_same_bytes(tmp_path):
                    check=True, capture_output=True)
     fa = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     fb = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
-    assert fa == fb and len(fa) == 2 * 2 * 2 + 2 * 2 + 1 * 2
+    assert fa == fb and len(fa) == 2 * 2 * 2  # captures only: the weights are named by recipe
     for p in fa:
         assert (tmp_path / "a" / p).read_bytes() == (tmp_path / "b" / p).read_bytes(), p
 

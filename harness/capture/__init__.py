@@ -30,7 +30,7 @@ from .loader import Capture, CaptureSet, Untouched, discover, load_capture, load
 from .producer import device_name, git_revision, producer, versions
 from .slots import compact_cache, conv_layout_of, remap_st_idx, slot_map_for, step_slots
 from .sources import (CACHE, CACHE_ENV, SOURCES, VERIFY, WeightCache, WeightHasher, entries_of, load_weights,
-                      recipe_source, store_weights, stored_entry, weights_address)
+                      recipe_entry, recipe_source, store_weights, stored_entry, weights_address)
 from .writer import StepRecord, capture_bytes, capture_path, set_dirname, write_capture, write_new
 
 
@@ -46,7 +46,7 @@ def _write_new(path, tensors: dict, manifest: dict, exist_ok: bool = False) -> N
 
 __all__ = ["FORMAT", "SCHEMA", "READS", "POISON_BITS", "POISON_FINITE", "StepRecord", "Capture", "CaptureSet",
            "Untouched", "WeightHasher", "WeightCache", "CACHE", "CACHE_ENV", "write_capture", "store_weights",
-           "stored_entry", "recipe_source", "checkpoint_source", "load_capture", "load_set", "load_sets",
+           "stored_entry", "recipe_source", "recipe_entry", "checkpoint_source", "load_capture", "load_set", "load_sets",
            "load_weights", "discover", "capture_path", "set_dirname", "slot_map_for", "compact_cache", "remap_st_idx",
            "conv_layout_of", "step_slots", "tensor_sha256", "poison_", "same_bits", "producer", "versions",
            "git_revision", "dtype_name", "weights_address", "capture_bytes", "K1_KINDS", "KINDS", "K1_STATE",

@@ -264,6 +264,8 @@ def parse_weight_entry(e, which: str, man: dict, where: str) -> dict:
             cfg = Config.from_dims(c["dims"])
         except (KeyError, TypeError, ValueError) as x:
             raise InputError(f"{field}.config.dims", f"not a config ({x!r:.120})", where) from None
+        _need(c["dims"] == man["config"]["dims"], f"{field}.config.dims", "differs from the capture's config",
+              where)
         _need(cfg.world == e.get("world"), f"{field}.world", f"{e.get('world')!r} but its config is split for "
                                                              f"{cfg.world}", where)
         _need(e.get("which") in rsynth.WHICH, f"{field}.which", f"{e.get('which')!r:.20} is not one of "
