@@ -184,21 +184,31 @@ def _check_args(cfg: Config, steps: int, num_spec: int, experts: str, requests: 
             raise InputError("num_acc", f"values outside 1..{L}")
 
 
-class _Weights:
-    """One layer's per-rank weights, stored once under ROOT/weights (content-addressed) and then
-    used memory-mapped from there, so the captures name exactly what the launches read."""
+WEIGHT_SOURCES = ("recipe", "stored")
 
-    def __init__(self, root: Path, cfg: Config, layer: int, fmt: str, seed: int, device):
+
+class _Weights:
+    """One layer's per-rank weights and how the captures name them: by recipe (default: the
+    generator's name, seed and coordinates plus a digest per tensor, regenerated at replay), or
+    stored once under ROOT/weights (content-addressed) and then used memory-mapped from there."""
+
+    def __init__(self, root: Path, cfg: Config, layer: int, fmt: str, seed: int, device, source: str = "recipe"):
         self.kind = cfg.kind(layer)
-        self.addr1: list[str] = []
-        self.addr2: list[str] = []
+        self.addr1: list = []
+        self.addr2: list = []
         w = layer_weights(cfg, layer, fmt, seed, device)
-        if w.k1 is not None:
-            self.addr1 = [cap.store_weights(root, t) for t in w.k1]
-            w.k1 = [self._mapped(root, a, device) for a in self.addr1]
-        if w.k2 is not None:
-            self.addr2 = [cap.store_weights(root, t) for t in w.k2]
-            w.k2 = [{"w13s": None, "w2s": None, **self._mapped(root, a, device)} for a in self.addr2]
+        if source == "recipe":
+            if w.k1 is not None:
+                self.addr1 = [cap.recipe_entry(cfg, layer, r, None, seed, "k1", t) for r, t in enumerate(w.k1)]
+            if w.k2 is not None:
+                self.addr2 = [cap.recipe_entry(cfg, layer, r, fmt, seed, "k2", t) for r, t in enumerate(w.k2)]
+        else:
+            if w.k1 is not None:
+                self.addr1 = [cap.store_weights(root, t) for t in w.k1]
+                w.k1 = [self._mapped(root, a, device) for a in self.addr1]
+            if w.k2 is not None:
+                self.addr2 = [cap.store_weights(root, t) for t in w.k2]
+                w.k2 = [{"w13s": None, "w2s": None, **self._mapped(root, a, device)} for a in self.addr2]
         self.weights = w
 
     @staticmethod
@@ -210,9 +220,11 @@ class _Weights:
 class _Recorder(Observer):
     """Turns the runners' launches into one StepRecord per (layer, rank) and writes the captures."""
 
-    def __init__(self, out: Path, cfg: Config, fmt: str, meta: dict, prod: dict, weights: dict, total: int):
+    def __init__(self, out: Path, cfg: Config, fmt: str, meta: dict, prod: dict, weights: dict, total: int,
+                 after: bool = True):
         self.out, self.cfg, self.fmt, self.meta, self.prod, self.weights, self.total = (
             out, cfg, fmt, meta, prod, weights, total)
+        self.after = after
         self.written: list[Path] = []
         self.recs: dict[int, list[cap.StepRecord]] = {}
         self.step = 0
@@ -228,7 +240,7 @@ class _Recorder(Observer):
             self.recs[layer] = [cap.StepRecord(step=self.step, layer=layer, rank=r, world=self.cfg.world, kind=w.kind,
                                                fmt=self.fmt, k2_key=k2key, k2_in=None,
                                                k2_weights=w.addr2[r] if w.addr2 else None, cfg=self.cfg,
-                                               meta=self.meta)
+                                               meta=self.meta, after=self.after)
                                 for r in range(self.cfg.world)]
         return self.recs[layer]
 
@@ -280,7 +292,7 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
                requests: int | None = None, padding: int | None = None, world: int | None = None,
                device="cpu", progress: bool = True, num_acc=None, git: bool = True,
                tool: str = TOOL, kda_pre=None, k2_launch=None, accept: str = "random",
-               lifetime: int = 0) -> list[Path]:
+               lifetime: int = 0, weights: str = "recipe", after: bool | None = None) -> list[Path]:
     """Run the reference over `layers` (consecutive; 'a-b', a list, or None for every layer) for
     `steps` decode steps; write one capture per (step, layer, rank) under `out`. Returns the
     capture-set folders, in order.
@@ -288,8 +300,13 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
     requests (R): default max(1, 8 // L) so S = R·L ≤ 8; padding: default 1 when R ≥ 2;
     world: re-split the config for another TP size; num_acc: optional [steps][R] acceptance;
     accept / lifetime: the request mix (`RequestMix`); kda_pre / k2_launch: the launches to drive
-    (default the reference; e.g. a Recorder's).
+    (default the reference; e.g. a Recorder's); weights: how captures name the weights, "recipe"
+    (regenerated at replay, a few hundred bytes) or "stored" (files under out/weights); after:
+    store what the launches wrote (default: yes, except for the k3-* presets, whose replays
+    recompute it).
     """
+    if weights not in WEIGHT_SOURCES:
+        raise InputError("weights", f"{weights!r} is not one of {', '.join(WEIGHT_SOURCES)}")
     backend = _Launches(kda_pre or ref.kda_pre, k2_launch or ref.k2_launch)
     cfg = config if isinstance(config, Config) else get_config(config)
     if world is not None and world != cfg.world:
@@ -306,6 +323,8 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
     R = requests if requests is not None else max(1, 8 // L)
     pad = padding if padding is not None else (1 if R >= 2 else 0)
     _check_args(cfg, steps, num_spec, experts, R, pad, num_acc)
+    if after is None:
+        after = not cfg.name.startswith("k3")
     out = Path(out)
     targets = [cap.capture_path(out, t, i, r) for t in range(steps) for i in layers for r in range(cfg.world)]
     clash = [p for p in targets if p.exists()]
@@ -328,13 +347,13 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
     bar = tqdm(total=steps * len(layers), desc=f"synth {cfg.name}", unit="layer-step", file=sys.stderr,
                disable=not progress, leave=False)
     dev = torch.device(device)
-    weights = {}
+    source, weights = weights, {}
     for i in layers:
         bar.set_postfix_str(f"weights of layer {i}")
-        weights[i] = _Weights(out, cfg, i, experts, seed, dev)
+        weights[i] = _Weights(out, cfg, i, experts, seed, dev, source)
     caches = [layer_caches(cfg, i, total, state_len, seed, "synth-caches", dev) if cfg.has_k1(i) else None
               for i in layers]
-    rec = _Recorder(out, cfg, experts, meta, prod, weights, total)
+    rec = _Recorder(out, cfg, experts, meta, prod, weights, total, after)
     stack = Stack.build(cfg, layers, backend, [weights[i].weights for i in layers], caches=caches, fmt=experts,
                         num_spec=num_spec, observer=rec)
     bar.set_postfix_str("")
@@ -374,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept", default="random", help=f"acceptance: {' | '.join(ACCEPT_MODES)}")
     p.add_argument("--lifetime", type=int, default=0,
                    help="mean request lifetime in steps: requests join and leave (default 0: they stay)")
+    p.add_argument("--weights", default="recipe", choices=WEIGHT_SOURCES,
+                   help="how captures name the weights: recipe (regenerated at replay) or stored files")
+    p.add_argument("--after", default="auto", choices=("auto", "yes", "no"),
+                   help="store what the launches wrote (auto: yes except for the k3-* presets)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-git", action="store_true", help="do not record the git revision")
     p.add_argument("--out", required=True)
@@ -389,7 +412,8 @@ def cli(argv) -> int:
         raise InputError("config", str(e).split(": ", 1)[-1]) from None
     sets = synthesize(cfg, a.layers, a.steps, a.num_spec, a.experts, a.seed, a.out, requests=a.requests,
                       padding=a.padding, world=a.world, device=a.device, progress=not a.quiet, git=not a.no_git,
-                      accept=a.accept, lifetime=a.lifetime)
+                      accept=a.accept, lifetime=a.lifetime, weights=a.weights,
+                      after={"auto": None, "yes": True, "no": False}[a.after])
     n = sum(1 for s in sets for _ in s.glob("rank*.safetensors"))
     print(f"synth: wrote {n} captures in {len(sets)} sets under {a.out}")
     return 0

@@ -9,7 +9,7 @@ from . import abi
 from ._num import Num
 from .attnres import attnres, sources
 from .comm import SimWorld, run_world
-from .config import EXPERT_FORMATS, K2Build
+from .config import K2Build
 from .kda_pre import Feed
 from .latent_tail import latent_norm, up_proj
 from .norms import rmsnorm
@@ -20,35 +20,9 @@ from .shared_expert import shared_expert
 
 
 def _check(key: K2Build, a: dict, mode: str, rank, comm) -> dict:
-    if key.experts not in EXPERT_FORMATS:
-        raise abi.ArgError("key.experts", f"{key.experts!r} not in {EXPERT_FORMATS}")
-    d = abi.check_args(abi.K2_ARGS, a, mode, key.experts)
-    if key.tokens != d["S"]:
-        raise abi.ArgError("key.tokens", f"{key.tokens} but prefix has {d['S']} rows")
-    if not 0 <= key.nblocks <= d["NB"]:
-        raise abi.ArgError("key.nblocks", f"{key.nblocks} outside 0..{d['NB']}")
-    if not 1 <= key.topk <= d["E"]:
-        raise abi.ArgError("key.topk", f"{key.topk} outside 1..E={d['E']}")
     if comm is None:
         raise abi.ArgError("comm", "K2 needs a collective (ref.comm.SimWorld / DistComm)")
-    if not isinstance(rank, int) or not 0 <= rank < comm.world:
-        raise abi.ArgError("rank", f"{rank!r} outside 0..{comm.world - 1}")
-    if d["UP"] * comm.world != d["H"]:
-        raise abi.ArgError("w_up", f"{d['UP']} rows × world {comm.world} != hidden {d['H']}")
-    fmt, lat, ri2 = key.experts, d["LAT"], d["RI2"]
-    abi.expect_multiple("w13", lat, 32)
-    abi.expect_multiple("w2", ri2 // 2, 32)
-    want13 = lat if fmt == "bf16" else lat // 2
-    want2 = ri2 // 2 if fmt == "bf16" else ri2 // 4
-    if a["w13"].shape[2] != want13:
-        raise abi.ArgError("w13", f"last dim {a['w13'].shape[2]}, expected {want13} for {fmt}")
-    if a["w2"].shape[2] != want2:
-        raise abi.ArgError("w2", f"last dim {a['w2'].shape[2]}, expected {want2} for {fmt}")
-    if fmt != "bf16":
-        for n, k in (("w13s", lat), ("w2s", ri2 // 2)):
-            if a[n].shape[2] != k // 32:
-                raise abi.ArgError(n, f"last dim {a[n].shape[2]}, expected {k // 32} (one scale per 32)")
-    return d
+    return abi.check_k2(key, a, mode, rank=rank, world=comm.world)
 
 
 # Each stage's inputs (taps), for the isolated view; ln and out read every rank's y / fin.

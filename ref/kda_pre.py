@@ -15,31 +15,7 @@ from .norms import gated_rmsnorm, rmsnorm
 
 
 def _check(key: KdaPreBuild, a: dict, mode: str) -> dict:
-    d = abi.check_args(abi.K1_ARGS, a, mode)
-    S, L = d["S"], key.qlen
-    if key.tokens != S:
-        raise abi.ArgError("key.tokens", f"{key.tokens} but prefix has {S} rows")
-    if L < 1 or S % L:
-        raise abi.ArgError("key.qlen", f"{L} does not divide tokens={S}")
-    if d["R"] != S // L:
-        raise abi.ArgError("st_idx", f"{d['R']} requests, expected tokens/qlen = {S // L}")
-    if key.delta != (a["delta"] is not None):
-        raise abi.ArgError("delta", f"key.delta={key.delta} but delta is {'None' if a['delta'] is None else 'given'}")
-    if key.state_len != d["SL"]:
-        raise abi.ArgError("key.state_len", f"{key.state_len} but conv_state has state_len {d['SL']}")
-    if d["SL"] < d["W"] - 2 + L:
-        raise abi.ArgError("conv_state", f"state_len {d['SL']} < W-2+L = {d['W'] - 2 + L}: too small for the window")
-    if not 0 <= key.nblocks <= d["NB"]:
-        raise abi.ArgError("key.nblocks", f"{key.nblocks} outside 0..{d['NB']}")
-    if not -1 <= key.write_idx < d["NB"]:
-        raise abi.ArgError("key.write_idx", f"{key.write_idx} outside -1..{d['NB'] - 1}")
-    if d["P"] != d["NH"] * d["HD"] or d["C"] != 3 * d["P"]:
-        raise abi.ArgError("w_fb", f"P={d['P']}, C={d['C']} inconsistent with NH={d['NH']}, HD={d['HD']}")
-    rank = d["RK"]
-    if d["NP"] < 4 * d["P"] + rank + d["NH"]:
-        raise abi.ArgError("w_in", f"{d['NP']} rows < 4P+RANK+NH = {4 * d['P'] + rank + d['NH']}")
-    abi.check_k1_indices(a["st_idx"], a["num_acc"], L, d["CS"], d["RS"])
-    return d
+    return abi.check_k1(key, a, mode)
 
 
 # Each stage's inputs (taps), for the isolated view: a stage is isolated when all are fed.

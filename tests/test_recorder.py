@@ -126,14 +126,18 @@ def test_records_transposed_cache_with_spare_slots(tmp_path, rng):
     (p,) = cap.discover(tmp_path)
     cs = cap.load_set(p)
     st_m = cs.captures[0].manifest["state"]
-    assert st_m == {"slot_map": "state.slot_map", "conv_slots": 12, "rec_slots": 12, "conv_layout": "slc"}
+    assert {k: st_m[k] for k in ("slot_map", "conv_slots", "rec_slots", "conv_layout")} == \
+        {"slot_map": "state.slot_map", "conv_slots": 12, "rec_slots": 12, "conv_layout": "slc"}
+    # schema 2 stores the slots the step reads: conv st_idx[r, 0], recurrent st_idx[r, num_acc[r]-1]
+    assert (st_m["conv_read"], st_m["rstate_read"]) == ([7, 9], [4, 7])
+    assert (st_m["conv_written"], st_m["rstate_written"]) == ([7, 9], [4, 7, 9, 11])
     assert cs.captures[0].tensors["state.slot_map"].tolist() == [0, 4, 7, 9, 11]
     # full layout: the recorded slots back at their ids, same layout; replay matches the live run
     f = cs.k1_args(0, layout="full")
     assert f["conv_state"].stride(1) == 1
-    smap = [0, 4, 7, 9, 11]
-    assert torch.equal(f["conv_state"][smap], conv_before[smap])
-    assert torch.equal(f["rstate"][smap], rs_before[smap])
+    assert torch.equal(f["conv_state"][[7, 9]], conv_before[[7, 9]])
+    assert torch.equal(f["rstate"][[4, 7]], rs_before[[4, 7]])
     ref.kda_pre(cs.k1_key, **f)
-    assert torch.equal(f["conv_state"][smap], conv[smap]) and torch.equal(f["rstate"][smap], rstate[smap])
+    cw, rw = [7, 9], [4, 7, 9, 11]
+    assert torch.equal(f["conv_state"][cw], conv[cw]) and torch.equal(f["rstate"][rw], rstate[rw])
     assert torch.equal(f["core_out"], kw["core_out"])

@@ -214,8 +214,16 @@ def _est(capture_files) -> int:
     n, weights = 0, set()
     for f in capture_files:
         c = cap.load_capture(f, verify=False)
-        n += 16384 + sum(size[e["dtype"]] * int(torch.tensor(e["shape"]).prod()) for e in
-                         c.manifest["tensors"].values())
+        m = c.manifest
+        full = {}  # schema 2 stores part of the caches and bank; the recorder counts them whole
+        for name, e in m["tensors"].items():
+            sh = list(e["shape"])
+            if name.endswith((".conv_state", ".rstate")):
+                sh[0] = m["tensors"]["state.slot_map"]["shape"][0]
+            elif name.endswith(".blocks"):
+                sh[1] = m["bank_rows"]
+            full[name] = size[e["dtype"]] * int(torch.tensor(sh).prod())
+        n += 16384 + sum(full.values())
         weights |= {w["sha256"] for w in c.manifest["weights"].values() if w}
     for a in weights:
         w = cap.load_weights(next(Path(capture_files[0]).parents[1].glob(f"weights/{a}.safetensors")), verify=False)
