@@ -3,6 +3,7 @@ on one GPU, and print one table.
 
     PYTHONPATH=. python benchmarks/bench_replay.py [--config k3-tp8] [--layers 1-2] [--steps 8]
         [--backend triton] [--experts mxfp4] [--out DIR] [--json F]
+        [--synth-only] [--captures DIR]     # make the corpus, or replay one made before
 
 Measures (a fresh process, one device):
 - synth: total and per layer-step (`harness.synth.synthesize`, the device given), disk bytes;
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="reference step repeats")
     ap.add_argument("--no-isolate", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--synth-only", action="store_true", help="make the corpus (timed) and stop")
+    ap.add_argument("--captures", help="replay this corpus instead of making one")
     a = ap.parse_args(argv)
     from harness.capture import discover, load_set
     from harness.policy import load_policy
@@ -95,14 +98,24 @@ def main(argv=None) -> int:
     out = Path(a.out or tempfile.mkdtemp(prefix="k3-corpus-"))
     res: dict = {"config": a.config, "layers": a.layers, "steps": a.steps, "experts": a.experts,
                  "backend": a.backend, "device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev}
-    t0 = time.perf_counter()
-    sets = synthesize(a.config, a.layers, a.steps, a.num_spec, a.experts, 0, out, requests=a.requests,
-                      device=dev, progress=True, git=False)
-    _sync(dev)
-    res["synth_s"] = time.perf_counter() - t0
-    res["synth_per_set_s"] = res["synth_s"] / max(1, len(sets))
+    if a.captures:
+        out = Path(a.captures)
+        sets = discover(out)
+    else:
+        t0 = time.perf_counter()
+        sets = synthesize(a.config, a.layers, a.steps, a.num_spec, a.experts, 0, out, requests=a.requests,
+                          device=dev, progress=True, git=False)
+        _sync(dev)
+        res["synth_s"] = time.perf_counter() - t0
+        res["synth_per_set_s"] = res["synth_s"] / max(1, len(sets))
     res["disk_bytes"] = _du(out)
     res["sets"] = len(sets)
+    if a.synth_only:
+        print(f"synth: {res['sets']} sets in {res['synth_s']:.1f} s ({res['synth_per_set_s']:.2f} s per "
+              f"layer-step), {res['disk_bytes'] / 1e6:.1f} MB on disk, in {out}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+        return 0
     backend = load_backend(a.backend)
     policy = load_policy()
     rows = []
@@ -150,7 +163,7 @@ def main(argv=None) -> int:
           f"ref step ms (median, min) | all pass |")
     print("|---|---|---|---|---|---|---|---|---|")
     pk = f"{rows[1]['peak_gib']:.1f} / {rows[-1]['peak_gib']:.1f}" if len(rows) >= 2 else "—"
-    print(f"| {res['synth_s']:.1f} | {res['synth_per_set_s']:.2f} | {res['disk_bytes'] / 1e6:.1f} | "
+    print(f"| {res.get('synth_s', float('nan')):.1f} | {res.get('synth_per_set_s', float('nan')):.2f} | {res['disk_bytes'] / 1e6:.1f} | "
           f"{res['first_set_s']:.2f} | {res['steady_set_s'] if res['steady_set_s'] is None else round(res['steady_set_s'], 2)} | "
           f"{pk} | {res.get('peak_ratio_last_vs_2nd', float('nan')):.3f} | "
           f"{statistics.median(res['ref_step_ms']):.1f}, {min(res['ref_step_ms']):.1f} | {res['all_passed']} |")

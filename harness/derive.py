@@ -253,9 +253,7 @@ def to_toml(lim: dict) -> str:
     def emit(prefix, ent):
         for (stage, o, view), e in sorted(ent.items(), key=lambda kv: kv[0]):
             if view != "chained":
-                head = f"[{prefix}view.isolated.stage.{stage}.{o}]" if not prefix.startswith("config.") else None
-                if head is None:
-                    continue  # isolated limits are config-independent: the general block carries them
+                head = f"[{prefix}view.isolated.stage.{stage}.{o}]"
             else:
                 head = f"[{prefix}stage.{stage}.{o}]"
             lines.append(head)

@@ -172,9 +172,10 @@ def poison(step: Step, seed: int) -> Poisoned:
     return Poisoned([p[0] for p in prep], [p[1] for p in prep], step.k2)
 
 
-def _upcast_state(args: dict, names) -> dict:
-    """Oracle inputs: the state in float64; weights too while ref's oracle mode requires them."""
-    return ref.upcast(args)
+def _oracle_in(args: dict) -> dict:
+    """Oracle inputs: state and activations as float64 copies, the read-only weights shared in
+    their stored dtype (the reference upcasts each exactly at use)."""
+    return ref.abi.oracle_args(args)
 
 
 # ---------------------------------------------------------------- running
@@ -519,8 +520,8 @@ def isolated_pairs(step: Step, p: Poisoned, bk: Side) -> _Pairs:
 def run_step(step: Step, backend, *, isolate: bool = True, noise: int = 0, seed: int = 0, tie_eps: float = 1e-6,
              timeout: float | None = DEFAULT_TIMEOUT) -> StepRun:
     p = poison(step, seed)
-    o1_in = None if p.k1 is None else [_upcast_state(a, K1_STATE) for a in p.k1]
-    o2_in = None if p.k2 is None else [_upcast_state(a, K2_STATE) for a in p.k2]
+    o1_in = None if p.k1 is None else [_oracle_in(a) for a in p.k1]
+    o2_in = None if p.k2 is None else [_oracle_in(a) for a in p.k2]
     rf = run_side(step, p.k1, p.k2, ref.kda_pre, ref.k2_launch)
     # the oracle takes the exact reference's routing: its comparisons measure numerics, while
     # the routing itself is judged on the oracle's keys (routing_rule)

@@ -112,14 +112,6 @@ def layer_caches(cfg: Config, layer: int, slots: int, state_len: int, seed: int,
     return out
 
 
-def _oracle_weights(w: dict) -> dict:
-    """The oracle's view of shared weights: floating tensors as float64 (exact).
-    TODO(ref/abi stored-dtype weights): once ref.abi accepts stored-dtype weights in oracle mode,
-    pass `w` itself; until then every oracle launch upcasts (transient copies, the shared tensors
-    stay the only ones held)."""
-    return {n: (t.to(F64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in w.items()}
-
-
 class Observer:
     """Hooks around the launches (synth records captures here). args: a rank's launch keywords
     (tensors as the kernel sees them: before = inputs, after = in-place outputs written)."""
@@ -250,7 +242,7 @@ class _Layer:
     # -- shared pieces
 
     def _weights(self, w: dict) -> dict:
-        return _oracle_weights(w) if self.mode == "oracle" else w
+        return w  # stored dtypes in both modes: the oracle upcasts each weight exactly at use
 
     def _carry(self, prefix, blocks, delta):
         as_ = lambda t: None if t is None else t.to(self.dtype)  # noqa: E731 - bf16 stays itself

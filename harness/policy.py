@@ -220,7 +220,8 @@ class Policy:
                 raise InputError("view", f"unknown view {view!r} (known: {', '.join(VIEWS)})", self.path)
             merged = dict(self.defaults)
             order = [(None, None, None), (None, fmt, None), (config, None, None), (config, fmt, None),
-                     (None, None, view), (None, fmt, view)]
+                     (None, None, view), (None, fmt, view),
+                     (config, None, view), (config, fmt, view)]
             for layer in (self._entries.get((c, f, v, stage, output), {}) for c, f, v in order):
                 for k, v in layer.items():
                     if v is False and k not in ("exact", "finite"):
@@ -237,7 +238,7 @@ class Policy:
         """The provenance notes (`why`) of every layer that shaped this entry, general first."""
         out = []
         for c, f, v in [(None, None, None), (None, fmt, None), (config, None, None), (config, fmt, None),
-                        (None, None, view), (None, fmt, view)]:
+                        (None, None, view), (None, fmt, view), (config, None, view), (config, fmt, view)]:
             tab = self._data
             for part in ([("config", c)] if c else []) + ([("format", f)] if f else []) + ([("view", v)] if v else []):
                 tab = tab.get(part[0], {}).get(part[1], {})
@@ -327,10 +328,11 @@ def _validate(data: dict, where: str) -> int:
         if not isinstance(v, dict):
             raise InputError(f"config.{c}", "must be a table", where)
         for k in v:
-            if k not in ("stage", "format"):
-                raise InputError(f"config.{c}.{k}", "unknown key (known: stage, format)", where)
+            if k not in ("stage", "format", "view"):
+                raise InputError(f"config.{c}.{k}", "unknown key (known: stage, format, view)", where)
         _check_stages(v.get("stage", {}), f"config.{c}.stage", where)
-        _check_formats(v.get("format", {}), f"config.{c}.format", where, views=False)
+        _check_views(v.get("view", {}), f"config.{c}.view", where)
+        _check_formats(v.get("format", {}), f"config.{c}.format", where, views=True)
     return version
 
 

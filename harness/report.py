@@ -172,8 +172,12 @@ def born_line(cap) -> str | None:
     if c is None:
         return f"{cap.id}: {cap.errors[0] if cap.errors else 'failed'}"
     bad = next((r for r in c.criteria if not (r.passed or r.skipped)), None)
-    what = "" if bad is None else f": {bad.name} ({bad.metric}) {fmt_num(bad.value, bad.metric)} vs " \
-                                  f"{fmt_num(bad.limit, bad.metric)}"
+    if bad is None:  # inherited: within its own limits, but a later stage fails only chained
+        bad = max((r for r in c.criteria if r.used is not None and not r.skipped), key=lambda r: r.used, default=None)
+        what = "" if bad is None else f" (within its limits, {bad.used:.0%} of {bad.name}; what it passed on " \
+                                      f"fails downstream, chained)"
+    else:
+        what = f": {bad.name} ({bad.metric}) {fmt_num(bad.value, bad.metric)} vs {fmt_num(bad.limit, bad.metric)}"
     rank = "" if c.rank is None else f" rank {c.rank}"
     err = f" (and {len(cap.errors)} error(s): {cap.errors[0]})" if cap.errors else ""
     return f"{cap.id}: born at {stage_label(c.stage, c.output, c.view)}{rank}{what}{err}"

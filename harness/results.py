@@ -108,13 +108,25 @@ class CaptureResult:
     @property
     def born_at(self) -> Comparison | None:
         """Where the first error was born: the earliest failing stage in dataflow order, isolated
-        failures (a stage's own arithmetic) before chained ones (which may only inherit)."""
+        failures (a stage's own arithmetic) before chained ones (which may only inherit). A stage
+        that fails only chained while its isolated view passes did its own work right: the error
+        came from upstream, so the blame goes to the upstream comparison that spent the largest
+        share of its limits (it may have passed them), when one differs at all."""
         from .policy import flow_index
 
         bad = [c for c in self.comparisons if not c.passed]
         if not bad:
             return None
-        return min(bad, key=lambda c: (c.view != "isolated", flow_index(c.stage, c.output), c.rank or 0))
+        first = min(bad, key=lambda c: (c.view != "isolated", flow_index(c.stage, c.output), c.rank or 0))
+        if first.view == "isolated":
+            return first
+        own = [c for c in self.comparisons if c.view == "isolated" and (c.stage, c.output) == (first.stage, first.output)]
+        if not own or not all(c.passed for c in own):
+            return first
+        at = flow_index(first.stage, first.output)
+        up = [c for c in self.comparisons if flow_index(c.stage, c.output) < at and c.stage != "untouched"
+              and _differs(c)]
+        return max(up, key=_used) if up else first
 
     @property
     def untouched(self) -> list[Comparison]:
@@ -135,6 +147,15 @@ class CaptureResult:
         return CaptureResult(d["id"], d["fmt"], d["layer"], d["kind"], d["step"], d["world"],
                              [Comparison.from_dict(c) for c in d["comparisons"]], d.get("missing_taps", {}),
                              d.get("timings", {}), d.get("errors", []), d.get("notes", []), d.get("aborted"))
+
+
+def _differs(c: Comparison) -> bool:
+    m = c.metrics or {}
+    return bool(m.get("n_differ") or m.get("rel_l2") or (m.get("exact_frac", 1.0) < 1.0))
+
+
+def _used(c: Comparison) -> float:
+    return max((r.used for r in c.criteria if r.used is not None and not r.skipped), default=0.0)
 
 
 @dataclass

@@ -69,22 +69,6 @@ def _bf16_accumulating_mm(x, w, num, chunk=32):
     return num.f(acc)
 
 
-def _reverse_ranks(real):
-    """Every reduction summed in reverse rank order (each rank gathers the others' partials
-    through the collective: a one-hot slot per rank, exact in fp32)."""
-    def reduce_bf(x, rank, comm, num):
-        world = comm.world
-        slots = torch.zeros((world,) + tuple(x.shape), dtype=num.dtype, device=x.device)
-        slots[rank] = num.f(x)
-        every = comm.all_reduce(slots, rank)
-        acc = every[world - 1].clone()
-        for r in range(world - 2, -1, -1):
-            acc = acc + every[r]
-        return num.bf(acc)
-
-    return reduce_bf
-
-
 def _padding_rows(st_idx, num_acc, qlen):
     L = qlen
     rows = []
@@ -290,8 +274,6 @@ def bugs() -> list[Mutant]:
                doc="shared-expert h left in fp32"),
         Mutant("ln_wrong_eps", ("k2", "ln"), k2={"latent_norm": _eps(WRONG_EPS)},
                doc="latent norm reads the AttnRes eps field"),
-        Mutant("ranks_reversed", ("k2", "delta"), k2={"reduce_bf": _reverse_ranks}, needs={"world": 4},
-               doc="every reduction sums the ranks in reverse order"),
     ]
 
 

@@ -4,6 +4,8 @@ code, nothing hangs, nothing is lost.
 Exit codes: 0 pass, 1 numerics failed, 2 bad input or usage, 3 the harness could not finish."""
 from __future__ import annotations
 
+import re
+
 import os
 import subprocess
 import sys
@@ -128,7 +130,8 @@ def test_tap_of_the_wrong_shape_is_an_error_line(sets, capsys):
     code = main(["replay", str(_kda(sets)[0]), "--backend", "planted:BAD_TAP", "--quiet"])
     out, err = capsys.readouterr()
     assert code == EXIT_FAIL and "Traceback" not in out + err
-    assert "k1/x (tap) rank 0: the backend's tensor has the wrong shape (6, 127), expected (6, 128)" in out
+    assert re.search(r"k1/x \(tap\) rank 0: the backend's tensor has the wrong shape \((\d+), 127\), "
+                     r"expected \(\1, 128\)", out), out
 
 
 def test_backend_raising_is_shown_on_the_terminal(sets, capsys, tmp_path):

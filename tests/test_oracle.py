@@ -230,3 +230,39 @@ def test_k2_perturb(k2_case, fmt):
                 moved |= not torch.equal(a[r][n], base[r][n])
             lp.assert_bits("out identical on every rank", a[r]["out"], a[0]["out"])
     assert moved, "perturb changed no bit of any K2 tap or output"
+
+
+def test_oracle_with_stored_dtype_weights_is_the_upcast_oracle():
+    """The oracle fed its read-only weights in their stored dtype (ref.abi.oracle_args: what the
+    harness does, no float64 copy of the weights) computes bit for bit what it computes from
+    ref.upcast'ed weights, on every golden set (K1 taps and writes, K2 taps and out)."""
+    from pathlib import Path
+
+    from harness import capture as cap
+    from harness.engine import chain_k2
+
+    for p in cap.discover(Path(__file__).resolve().parent.parent / "golden" / "set"):
+        cs = cap.load_set(p)
+        outs = []
+        for conv in (ref.upcast, ref.abi.oracle_args):
+            o = {}
+            if cs.has_k1:
+                for r in cs.ranks:
+                    a, t = conv(cs.k1_args(r)), {}
+                    ref.kda_pre(cs.k1_key, **a, taps=t, mode="oracle")
+                    o.update({f"k1.{r}.{n}": a[n] for n in ("core_out", "rstate", "conv_state", "prefix", "blocks")})
+                    o.update({f"k1.{r}.tap.{n}": v for n, v in t.items()})
+            if cs.has_k2:
+                ranks = [conv(a) for a in chain_k2(None, cs.k2_world_args())]
+                ts = [{} for _ in ranks]
+                for a, t in zip(ranks, ts):
+                    a["taps"] = t
+                ref.k2_world(cs.k2_key, ranks, mode="oracle")
+                for r, (a, t) in enumerate(zip(ranks, ts)):
+                    o[f"k2.{r}.out"] = a["out"]
+                    o.update({f"k2.{r}.tap.{n}": v for n, v in t.items()})
+            outs.append(o)
+        assert outs[0] and outs[0].keys() == outs[1].keys()
+        assert all(v.dtype == torch.float64 or not v.is_floating_point() for v in outs[1].values())
+        bad = [k for k in outs[0] if not torch.equal(outs[0][k], outs[1][k])]
+        assert not bad, (p, bad)

@@ -15,7 +15,10 @@ GOLDEN = ROOT / "golden"
 
 @pytest.fixture(scope="module")
 def kda_sets():
-    sets = [p for p in discover(GOLDEN)]
+    """The golden KDA sets (K1 then K2), in discovery order."""
+    from harness.capture import load_set
+
+    sets = [p for p in discover(GOLDEN) if load_set(p).kind == "kda"]
     assert sets, "the golden set is missing"
     return sets
 
