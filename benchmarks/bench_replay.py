@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     res["ref_step_ms"] = ref_step_ms(cs, dev, a.repeats)
     res["all_passed"] = all(r["passed"] for r in rows)
     print()
-    print(f"corpus: {a.config} layers {a.layers} x {a.steps} steps, {res['sets']} sets, {a.experts}, backend "
-          f"{a.backend}, device {res['device']}")
+    what = f"{a.captures}" if a.captures else f"{a.config} layers {a.layers} x {a.steps} steps, {a.experts}"
+    print(f"corpus: {what}, {res['sets']} sets, backend {a.backend}, device {res['device']}")
     print(f"| synth s | per set s | disk MB | first set s | steady set s | peak GiB set 2 / last | ratio | "
           f"ref step ms (median, min) | all pass |")
     print("|---|---|---|---|---|---|---|---|---|")
