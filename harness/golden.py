@@ -428,6 +428,10 @@ def _compare(name: str, got: torch.Tensor, want: torch.Tensor, oracle: bool) -> 
         return f"{name}: {cap.dtype_name(got.dtype)} {list(got.shape)}, expected {cap.dtype_name(want.dtype)} " \
                f"{list(want.shape)}"
     tol = ORACLE_RTOL if oracle else None
+    if oracle and name.endswith("topk_ids"):
+        # the oracle's float64 router keys of twin experts (exact ties by construction) differ by
+        # the CPU BLAS's 1-ulp column noise, which orders the tied picks; the set is what counts
+        got, want = got.sort(dim=-1).values, want.sort(dim=-1).values
     if tol is not None and got.is_floating_point():
         scale = float(want.double().abs().max()) if want.numel() else 0.0
         err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
