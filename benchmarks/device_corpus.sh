@@ -18,7 +18,7 @@ du -sb $CORPUS; ls $CORPUS | head -3
 echo "=== policy derive k3-tp8"
 t python -m harness.cli synth --config k3-tp8 --layers 1-2 --steps 2 --num-spec 3 --requests 1 --experts mxfp4 \
   --seed 1 --device cuda --out /tmp/k3-derive -q
-t python -m harness.cli policy derive /tmp/k3-derive --seeds 4 --device cuda --quiet --save "$OUT/k3-tp8-h200.json" --update golden/tolerances.toml
+t python -m harness.cli policy derive /tmp/k3-derive --seeds 3 --device cuda --quiet --save "$OUT/k3-tp8-h200.json" --update golden/tolerances.toml
 cp golden/tolerances.toml "$OUT/tolerances_device.toml"
 echo "=== replay corpus"
 t python benchmarks/bench_replay.py --captures $CORPUS --backend triton --json "$OUT/bench_replay.json" 2>&1 | tee "$OUT/bench_replay.txt" | grep -v "it/s\]" | tail -24
