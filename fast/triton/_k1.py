@@ -92,7 +92,8 @@ def _seq(POS: tl.constexpr, W: tl.constexpr, c, csb, csc, csp, a, proj_ptr, spj,
 
 @triton.jit
 def _conv_y(j: tl.constexpr, W: tl.constexpr, c, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0):
-    """bf16(silu(Σ_q conv_w[c, q]·seq[j+q])) as fp32 values."""
+    """bf16(silu(Σ_q conv_w[c, q]·seq[j+q])) as fp32 values. Each product rounds to fp32 (inexact for an
+    fp32 conv_w), then the sum in q order: the launch is compiled without FMA contraction."""
     y = tl.zeros(c.shape, dtype=tl.float32)
     for q in tl.static_range(W):
         y += tl.load(cw_ptr + c * scw + q).to(tl.float32) * _seq(j + q, W, c, csb, csc, csp, a, proj_ptr, spj, row0)
