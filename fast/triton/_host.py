@@ -19,7 +19,8 @@ from .tuning import TUNE
 
 _SCRATCH: dict = {}
 _LOCK = threading.Lock()  # one enqueue at a time (the interpreter is not thread-safe)
-FMT_CODE = {"bf16": 0, "mxfp4": 1, "int4": 2}
+FMT_CODE = {"bf16": 0, "mxfp4": 1, "int4": 2, "a8w4": 3}  # a8w4: mxfp4 weights, MXFP8 (E4M3) activations
+MX_ACT = ("mxfp4", "a8w4")  # activations quantized per 32 with an E8M0 scale (values kept as fp16)
 
 
 def _p2(n: int) -> int:
@@ -216,14 +217,14 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
         tapd=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         logits=torch.empty(S, E, dtype=torch.float32, device=dev),
         lat=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),
-        latq=torch.empty(S, LAT, dtype=torch.float16 if fmt == "mxfp4" else torch.bfloat16, device=dev),
+        latq=torch.empty(S, LAT, dtype=torch.float16 if fmt in MX_ACT else torch.bfloat16, device=dev),
         lats=torch.empty(S, LAT // 32, dtype=torch.int32, device=dev),
         h=torch.empty(S, SI, dtype=torch.bfloat16, device=dev),
         ids=torch.empty(S, K, dtype=torch.int32, device=dev),
         tw=torch.empty(S, K, dtype=torch.float32, device=dev),
         elist=torch.zeros(DMAX, dtype=torch.int32, device=dev),
         nd=torch.zeros(1, dtype=torch.int32, device=dev),
-        v=torch.empty(DMAX, S, RI, dtype=torch.float16 if fmt == "mxfp4" else torch.bfloat16, device=dev),
+        v=torch.empty(DMAX, S, RI, dtype=torch.float16 if fmt in MX_ACT else torch.bfloat16, device=dev),
         vs=torch.empty(DMAX, S, RI // 32, dtype=torch.int32, device=dev),
         contrib=torch.empty(S, K, LAT, dtype=torch.bfloat16, device=dev),
         y=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),

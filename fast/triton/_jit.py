@@ -151,6 +151,46 @@ def mx_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def mx8_code(amax):
+    """E8M0 code of an MXFP8 (E4M3) block (OCP MX: floor(log2(amax)) - 8, clamped to [0, 254]),
+    read off amax's fp32 exponent field as ref.quant.mx8_scale_code does."""
+    ef = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(ef - 8, 0), 254)
+
+
+@triton.jit
+def e4m3_round(y):
+    """Nearest FP8 E4M3 (fn) value of fp32 y, ties to even, saturating at ±448. The quantum
+    2^(max(e, -6) - 3) is a power of two, so y/quantum is exact and rounds to an integer by the
+    2^23 trick (round-to-nearest-even of the fp32 add); every step is exact but that one."""
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    qe = tl.maximum(e, -6) - 3
+    t = a * pow2(-qe)
+    r = ((t + 8388608.0) - 8388608.0) * pow2(qe)
+    r = tl.minimum(r, 448.0)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def mx8_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
+    """MXFP8 (E4M3, E8M0 per 32) fake-quant of v [SP, BN] -> (E4M3 values [SP, BN] fp32 with the
+    scale taken out, scale codes [SP, BN/32] int32); ref.quant.mx8_fake_quant."""
+    G: tl.constexpr = BN // 32
+    grp = tl.arange(0, BN) // 32
+    rg = tl.arange(0, G)
+    av = tl.abs(v)
+    inv = tl.zeros((SP, BN), dtype=tl.float32)
+    codes = tl.zeros((SP, G), dtype=tl.int32)
+    for g in tl.static_range(G):
+        code = mx8_code(tl.max(tl.where((grp == g)[None, :], av, 0.0), axis=1))  # [SP]
+        # 2^(127-code), an exact power of two (code <= 246 for any fp32 amax)
+        inv = tl.where((grp == g)[None, :], ((254 - code) << 23).to(tl.float32, bitcast=True)[:, None], inv)
+        codes = tl.where((rg == g)[None, :], code[:, None], codes)
+    return e4m3_round(v * inv), codes
+
+
+@triton.jit
 def perm32(c):
     """Column c -> its place when every 32-block stores its even elements, then its odd ones
     (the layout the nibble-plane MMAs read with contiguous 32-byte loads)."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import (attnres_row, bf16, e2m1_f16x2, e8m0, gemv, int4_bf16x2, mma, mx_quant_rows, perm32, pow2,
+from ._jit import (attnres_row, bf16, e2m1_f16x2, e8m0, gemv, int4_bf16x2, mma, mx8_quant_rows, mx_quant_rows,
+                   perm32, pow2,
                    rsqrt, sigmoid, situ, splitk, wait_rows)
 
 
@@ -128,8 +129,11 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
                 lat = bf16(totl)
                 om = sm & (rnl < LAT)[None, :]
                 tl.store(lat_ptr + rs[:, None] * LAT + rnl[None, :], lat, mask=om)
-                if FMT == 1:
-                    q, code = mx_quant_rows(lat.to(tl.float32), SP, BNL)
+                if FMT == 1 or FMT == 3:
+                    if FMT == 1:
+                        q, code = mx_quant_rows(lat.to(tl.float32), SP, BNL)
+                    else:
+                        q, code = mx8_quant_rows(lat.to(tl.float32), SP, BNL)
                     tl.store(latq_ptr + rs[:, None] * LAT + perm32(rnl)[None, :], q.to(tl.float16), mask=om)
                     rg = nl0 // 32 + tl.arange(0, BNL // 32)
                     tl.store(lats_ptr + rs[:, None] * (LAT // 32) + rg[None, :], code, mask=sm)
@@ -207,14 +211,14 @@ def xgemm(wrow, srow, a_ptr, sar, as_ptr, sasr, S, KD, koff, FMT: tl.constexpr, 
         nk = KD // 32 // UNR
         kc = koff % nk
         s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
-        if FMT == 1:
+        if FMT != 2:
             a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
         for it in range(0, nk):
             kc = (it + koff) % nk
             kn = (it + 1 + koff) % nk
             s_cu = s_nx
             s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
-            if FMT == 1:
+            if FMT != 2:
                 a_cu = a_nx
                 a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
             for uu in tl.static_range(UNR):
@@ -222,7 +226,7 @@ def xgemm(wrow, srow, a_ptr, sar, as_ptr, sasr, S, KD, koff, FMT: tl.constexpr, 
                 b = tl.load(wrow[:, None] + kb * 16 + r16[None, :])
                 ae = tl.load(a_ptr + rs[:, None] * sar + kb * 32 + r16[None, :], mask=sm[:, None], other=0.0)
                 ao = tl.load(a_ptr + rs[:, None] * sar + kb * 32 + 16 + r16[None, :], mask=sm[:, None], other=0.0)
-                if FMT == 1:
+                if FMT != 2:
                     lo, hi = e2m1_f16x2(b)
                     fa = pow2(tl.sum(tl.where(ru[None, :] == uu, a_cu, 0), axis=1) - 113)  # 2^(sa-127)·2^14
                     fw = e8m0(tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.int32), 0), axis=1))
@@ -231,13 +235,13 @@ def xgemm(wrow, srow, a_ptr, sar, as_ptr, sasr, S, KD, koff, FMT: tl.constexpr, 
                     fw = tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.float32), 0.0), axis=1)
                 if SWAP:
                     d = mma(hi, tl.trans(ao), mma(lo, tl.trans(ae), tl.zeros((BR, SP), dtype=tl.float32)))
-                    if FMT == 1:
+                    if FMT != 2:
                         acc += d * fw[:, None] * fa[None, :]
                     else:
                         acc += d * fw[:, None]
                 else:
                     d = mma(ao, tl.trans(hi), mma(ae, tl.trans(lo), tl.zeros((SP, BR), dtype=tl.float32)))
-                    if FMT == 1:
+                    if FMT != 2:
                         acc += d * fa[:, None] * fw[None, :]
                     else:
                         acc += d * fw[None, :]
@@ -281,8 +285,11 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
                 vo = v_ptr + i * S * RI + rs[:, None] * RI + rr[None, :]
             else:
                 vo = v_ptr + i * S * RI + rs[:, None] * RI + perm32(rr)[None, :]
-            if FMT == 1:
-                q, code = mx_quant_rows(v, SP, BR)
+            if FMT == 1 or FMT == 3:
+                if FMT == 1:
+                    q, code = mx_quant_rows(v, SP, BR)
+                else:
+                    q, code = mx8_quant_rows(v, SP, BR)
                 tl.store(vo, q.to(tl.float16), mask=sm)
                 rg = c * (BR // 32) + tl.arange(0, BR // 32)
                 tl.store(vs_ptr + i * S * (RI // 32) + rs[:, None] * (RI // 32) + rg[None, :], code, mask=sm)
