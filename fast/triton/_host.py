@@ -324,6 +324,45 @@ def _unr(kd: int, want: int) -> int:
     return u
 
 
+# Counters of the in-kernel handshakes, per scratch tag: (name, launch in words, ticketed: ctr[3] is
+# its spin-overflow flag). Every one is back at 0 after a completed launch.
+_COUNTERS = {
+    "k1": (("ctr", "k1 attnres+in_proj", True), ("ctr_rec", "k1 conv+recurrence (gated-norm handshake)", False),
+           ("ctr_n", "k1 in_proj (K-split handshake)", False)),
+    "k2": (("ctr", "k2 attnres+router/latent/shared", True), ("ctr_up", "k2 latent norm+up_proj", True),
+           ("ctr_m", "k2 router/latent/shared (K-split handshake)", False),
+           ("ctr_n", "k2 o_proj (K-split handshake)", False), ("ctr_u", "k2 up_proj (K-split handshake)", False),
+           ("ctr_x1", "k2 routed gemm1 (K-split handshake)", False),
+           ("ctr_lb", "k2 routed gemm2 (pick-order sum handshake)", False)),
+}
+
+
+def health() -> list[str]:
+    """Problems the kernels flagged since the last call, one line each ([] = healthy): a ticket
+    wait that gave up (spin budget exhausted: the launch then computed on rows nobody had
+    written), or a handshake counter left non-zero (a launch that did not complete). Reads the
+    counters of every build (one device sync) and clears them."""
+    items = [(k, name, what, tick, sc[name]) for k, sc in _SCRATCH.items() for name, what, tick in _COUNTERS[k[0]]
+             if name in sc]
+    if not items:
+        return []
+    with _LOCK:
+        vals = [t.tolist() for t in torch.cat([it[4].flatten() for it in items]).cpu().split(
+            [it[4].numel() for it in items])]
+        for it in items:
+            it[4].zero_()
+    out = []
+    for (k, name, what, tick, _), v in zip(items, vals):
+        where = f"on device {k[2]}" + (f" (rank {k[4]})" if k[0] == "k2" else "")
+        if tick and v[3]:
+            out.append(f"{what}: ticket wait timed out (spin budget exhausted) in {v[3]} program(s) {where}")
+        left = [i for i, x in enumerate(v) if x and not (tick and i == 3)]
+        if left:
+            out.append(f"{what}: handshake counters not reset after the launch ({name}[{left[0]}] = {v[left[0]]}"
+                       f"{f' and {len(left) - 1} more' if len(left) > 1 else ''}) {where}")
+    return out
+
+
 def debug_state(key, dev, rank=0) -> dict:
     """Scratch of a build (tests read the counters and the spin-overflow flag)."""
     return {k: v for k, v in _SCRATCH.items() if k[1] == key and k[2] == str(dev) and k[4] == rank}
