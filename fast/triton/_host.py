@@ -104,14 +104,14 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     BV = HD // NV
     bk = _bk(H, T["k1_bk"])
     bn = T["k1_bn"]
-    ar = _ares_dims(H, key.nblocks)
+    ar = _ares_dims(H, key.nblocks, TUNE["k1_hc"])
     sc = _scratch("k1", key, dev, (S, H, NP, NH, HD, ar["CHP"]), 0, lambda: dict(
         x=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         proj=torch.empty(S, NP, dtype=torch.bfloat16, device=dev),
         obuf=torch.empty(S, NH, HD, dtype=torch.bfloat16, device=dev),
         ctr=torch.zeros(8 + 2 * S, dtype=torch.int32, device=dev),
         ctr_rec=torch.zeros(R * NH, dtype=torch.int32, device=dev),
-        **_ares_scratch(S, H, key.nblocks, dev),
+        **_ares_scratch(S, H, key.nblocks, TUNE["k1_hc"], dev),
         part=torch.empty(16, max(16, _p2(S)), NP, dtype=torch.float32, device=dev),  # K-split partials
         ctr_n=torch.zeros(triton_cdiv(NP, 16), dtype=torch.int32, device=dev)))
     add = 1 if delta is not None else 0
@@ -148,16 +148,16 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _ares_dims(H: int, NB: int) -> dict:
-    """AttnRes chunking: CH column chunks of width HC (<= TUNE['attn_hc']) per token row."""
-    HC = min(_p2(H), TUNE["attn_hc"])
+def _ares_dims(H: int, NB: int, want: int) -> dict:
+    """AttnRes chunking: CH column chunks of width HC (<= want) per token row."""
+    HC = min(_p2(H), want)
     CH = triton_cdiv(H, HC)
     HC = triton_cdiv(H, CH)
     return dict(HC=HC, CH=CH, CHP=_p2(CH), BHC=_p2(HC), NBP=_p2(NB + 1))
 
 
-def _ares_scratch(S: int, H: int, NB: int, dev) -> dict:
-    d = _ares_dims(H, NB)
+def _ares_scratch(S: int, H: int, NB: int, want: int, dev) -> dict:
+    d = _ares_dims(H, NB, want)
     return dict(apart=torch.empty(S, d["CHP"], 2 * d["NBP"], dtype=torch.float32, device=dev),
                 mix=torch.empty(S, H, dtype=torch.float32, device=dev),
                 msq=torch.empty(S, d["CHP"], dtype=torch.float32, device=dev))
@@ -220,7 +220,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     if packed and BNL < 32:
         BNL = 32  # whole quant blocks per program
     NB = key.nblocks
-    ar = _ares_dims(H, NB)
+    ar = _ares_dims(H, NB, T["mid_hc"])
     bnm, BNS = T["mid_bn"], T["mid_bns"]
     NG, NL, NS = triton_cdiv(E, bnm), LAT // BNL, triton_cdiv(SI, BNS)
     KL = min(K, bnm)  # router candidates per block and row
@@ -230,7 +230,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
         part=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         x=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         tapd=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
-        **_ares_scratch(S, H, NB, dev),
+        **_ares_scratch(S, H, NB, T["mid_hc"], dev),
         logits=torch.empty(S, E, dtype=torch.float32, device=dev),
         cand=torch.empty(S, NG * KL, dtype=torch.int64, device=dev),
         lat=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),
@@ -288,7 +288,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             w13, w13s_, w13.stride(0), w13.stride(1), w13s_.stride(0), w13s_.stride(1), sc["v"], sc["vs"], sc["h"],
             w_sd, w_sd.stride(0), sc["fin"], sc["x1part"], sc["ctr_x1"], S, LAT, RI, H, SI, NCH, DMAX, FMT=f, BR=BR,
             SP=SP, UNR=UNR1, X1S=X1S, BN=bsd, BK=_bk(SI, T["sd_bk"]), BETA=key.situ_beta, LBETA=key.situ_linear_beta,
-            STAG=T["stag"], SWAP=T["x_swap"], num_warps=T["x1_warps"], num_stages=T["x1_stages"])
+            STAG=T["stag"], SWAP=T["x1_swap"], num_warps=T["x1_warps"], num_stages=T["x1_stages"])
     if tp:
         sh_tap = sc["fin"].clone()
     # L4: routed gemm2, contributions, pick-order sum y
@@ -296,7 +296,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_exp2_kernel, (NLB * DMAX,), sc["elist"], sc["nd"], sc["ids"], sc["tw"], sc["v"], sc["vs"], w2,
             w2s_, w2.stride(0), w2.stride(1), w2s_.stride(0), w2s_.stride(1), sc["contrib"], sc["y"], sc["ctr_lb"],
             S, LAT, RI, DMAX, FMT=f, BL=BL, SP=SP, UNR=_unr(RI, T["x2_unr"]), K=K, KP=_p2(K), STAG=T["stag"],
-            SWAP=T["x_swap"], num_warps=T["x2_warps"], num_stages=T["x2_stages"])
+            SWAP=T["x2_swap"], num_warps=T["x2_warps"], num_stages=T["x2_stages"])
     # reduction 2; Ls = bf16(sum) inside the next launch
     ls32 = comm.all_reduce(sc["y"], rank).contiguous()
     # L5: latent norm + this rank's up-projection columns
