@@ -233,6 +233,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
         **_ares_scratch(S, H, NB, T["mid_hc"], dev),
         logits=torch.empty(S, E, dtype=torch.float32, device=dev),
         cand=torch.empty(S, NG * KL, dtype=torch.int64, device=dev),
+        csig=torch.empty(S, NG * KL, dtype=torch.float32, device=dev),
         lat=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),
         latq=torch.empty(S, LAT, dtype=torch.float16 if fmt in MX_ACT else torch.bfloat16, device=dev),
         lats=torch.empty(S, LAT // 32, dtype=torch.int32, device=dev),
@@ -272,7 +273,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     spm = _split(H // bkm, T["mid_split"])
     _launch(_k2.k2_mid_kernel, (3 * S * ar["CH"] + (NG + NL + NS) * spm,), sc["ctr"], prefix, H, d32, d32.stride(0),
             blocks, blocks.stride(0), blocks.stride(1), ares_nw, ares_qk, in_nw, sc["x"], sc["tapd"], sc["apart"],
-            sc["mix"], sc["msq"], w_gate, w_gate.stride(0), sc["logits"], sc["cand"], w_ld, w_ld.stride(0), sc["lat"],
+            sc["mix"], sc["msq"], w_gate, w_gate.stride(0), sc["logits"], sc["cand"], sc["csig"], w_ld, w_ld.stride(0), sc["lat"],
             sc["latq"], sc["lats"], w_sgu, w_sgu.stride(0), sc["h"], bias, sc["ids"], sc["tw"], sc["elist"], sc["nd"],
             sc["kpart"], sc["ctr_m"], S, H, ar["HC"], ar["CH"], E, LAT, SI, NG, NL, NS, key.eps, key.out_eps,
             T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"], BHC=ar["BHC"], ADD=3 if key.reset else 2, BN=bnm,

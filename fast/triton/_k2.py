@@ -15,29 +15,35 @@ from ._jit import (ares_phases, bf16, e2m1_f16x2, e8m0, gemv, int4_bf16x2, mma, 
 def _packed_keys(lg, rng, rs, S, E, bias_ptr):
     """Router keys of logits lg [R, C] (rows rs, experts rng) packed in one int64 that orders
     like (key, -id): key = σ + bias (-0 as +0) mapped to an order-preserving unsigned image,
-    NaN just above -1, the empty slots (rows >= S, experts >= E) -1."""
+    NaN just above -1, the empty slots (rows >= S, experts >= E) -1. Also σ (NaN and empty
+    slots as 0)."""
     m2 = (rs < S)[:, None] & (rng < E)[None, :]
-    key = sigmoid(lg) + tl.load(bias_ptr + rng, mask=rng < E, other=0.0)[None, :]
+    sig = sigmoid(lg)
+    key = sig + tl.load(bias_ptr + rng, mask=rng < E, other=0.0)[None, :]
     key = tl.where(key == 0.0, 0.0, key)  # -0 ties with +0
     bits = key.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     srt = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
     srt = tl.where(key != key, 0x7FFFFF, srt)  # NaN ranks below every number
-    return tl.where(m2, srt * 0x80000000 + (E - 1 - rng)[None, :], -1)
+    pk = tl.where(m2, srt * 0x80000000 + (E - 1 - rng)[None, :], -1)
+    return pk, tl.where(m2 & (sig == sig), sig, 0.0)
 
 
 @triton.jit
-def _topk_local(tot, rng, S, E, bias_ptr, cand_ptr, col0, NGKL, KL: tl.constexpr, SP: tl.constexpr):
-    """The KL best packed keys of one router block per row -> cand[t, col0 : col0+KL] (largest first)."""
+def _topk_local(tot, rng, S, E, bias_ptr, cand_ptr, csig_ptr, col0, NGKL, KL: tl.constexpr, SP: tl.constexpr):
+    """The KL best packed keys of one router block per row -> cand[t, col0 : col0+KL] (largest
+    first), their σ -> csig (the packed key names one expert, so the match is unique)."""
     rs = tl.arange(0, SP)
-    pk = _packed_keys(tot, rng, rs, S, E, bias_ptr)
+    pk, sig = _packed_keys(tot, rng, rs, S, E, bias_ptr)
     for k in tl.static_range(KL):
         mx = tl.max(pk, axis=1)
+        hit = pk == mx[:, None]
         tl.store(cand_ptr + rs * NGKL + col0 + k, mx, mask=rs < S)
-        pk = tl.where(pk == mx[:, None], -1, pk)
+        tl.store(csig_ptr + rs * NGKL + col0 + k, tl.sum(tl.where(hit, sig, 0.0), axis=1), mask=rs < S)
+        pk = tl.where(hit, -1, pk)
 
 
 @triton.jit
-def _topk_merge(cand_ptr, logits_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, NGKL,
+def _topk_merge(cand_ptr, csig_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, NGKL,
                 K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr):
     """Top-k of every row from the router blocks' candidates (the union of per-block top-k holds
     the row's top-k), DESIGN §5 K2.4: each round the largest key, the lowest id among equal
@@ -47,8 +53,9 @@ def _topk_merge(cand_ptr, logits_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, 
     rc = tl.arange(0, CP)
     rk = tl.arange(0, KP)
     rm = rt < S
-    pk = tl.load(cand_ptr + rt[:, None] * NGKL + rc[None, :], mask=rm[:, None] & (rc < NGKL)[None, :], other=-1,
-                 cache_modifier=".cg")
+    cm = rm[:, None] & (rc < NGKL)[None, :]
+    pk = tl.load(cand_ptr + rt[:, None] * NGKL + rc[None, :], mask=cm, other=-1, cache_modifier=".cg")
+    cs = tl.load(csig_ptr + rt[:, None] * NGKL + rc[None, :], mask=cm, other=0.0, cache_modifier=".cg")
     ids = tl.zeros((TP, KP), dtype=tl.int32)
     sk = tl.zeros((TP, KP), dtype=tl.float32)
     tot = tl.zeros((TP,), dtype=tl.float32)
@@ -56,12 +63,12 @@ def _topk_merge(cand_ptr, logits_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, 
         mx = tl.max(pk, axis=1)
         ok = rm & (mx >= 0)
         e = tl.where(ok, (E - 1 - (mx & 0x7FFFFFFF)).to(tl.int32), 0)
-        sg = sigmoid(tl.load(logits_ptr + rt * E + e, mask=ok, other=0.0, cache_modifier=".cg"))
-        sg = tl.where(sg != sg, 0.0, sg)
+        hit = (pk == mx[:, None]) & ok[:, None]
+        sg = tl.sum(tl.where(hit, cs, 0.0), axis=1)
         tot = tot + sg
         ids = tl.where(rk[None, :] == k, e[:, None], ids)
         sk = tl.where(rk[None, :] == k, sg[:, None], sk)
-        pk = tl.where(pk == mx[:, None], -1, pk)
+        pk = tl.where(hit, -1, pk)
     tot = tl.where(rm, tot, 1.0)  # padding rows (never stored) divide by 1
     w = tl.div_rn(sk, tl.broadcast_to(tot[:, None], (TP, KP)))
     om = rm[:, None] & (rk < K)[None, :]
@@ -81,7 +88,7 @@ def _topk_merge(cand_ptr, logits_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, 
 
 @triton.jit
 def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr,
-                  tapd_ptr, apart_ptr, mix_ptr, msq_ptr, wg_ptr, swg, logits_ptr, cand_ptr, wld_ptr, swl, lat_ptr,
+                  tapd_ptr, apart_ptr, mix_ptr, msq_ptr, wg_ptr, swg, logits_ptr, cand_ptr, csig_ptr, wld_ptr, swl, lat_ptr,
                   latq_ptr, lats_ptr, wsgu_ptr, sws, h_ptr, bias_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, part_ptr,
                   ctrn_ptr, S, H, HC, CH, E, LAT, SI, NG, NL, NS, eps, out_eps, spin,
                   NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
@@ -124,10 +131,10 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
             last, tot = splitk(acc, part_ptr, PW, ctrn_ptr, blk, ks, S, E, ng0, BN, SP, SPLIT)
             if last:
                 tl.store(logits_ptr + rs[:, None] * E + rng[None, :], tot, mask=sm & (rng < E)[None, :])
-                _topk_local(tot, rng, S, E, bias_ptr, cand_ptr, blk * KL, NG * KL, KL, SP)
+                _topk_local(tot, rng, S, E, bias_ptr, cand_ptr, csig_ptr, blk * KL, NG * KL, KL, SP)
                 tl.debug_barrier()
                 if tl.atomic_add(ctr_ptr + 4, 1, sem="acq_rel", scope="gpu") == NG - 1:
-                    _topk_merge(cand_ptr, logits_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, NG * KL, K, KP, CP,
+                    _topk_merge(cand_ptr, csig_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, NG * KL, K, KP, CP,
                                 TP)
         elif blk < NG + NL:
             nl0 = (blk - NG) * BNL

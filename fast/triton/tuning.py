@@ -8,25 +8,25 @@ TUNE: dict = dict(
     spin=1 << 22,    # polls of a ticket wait before it gives up (raising the flag health() reports)
     # K1 launch 1: AttnRes phases + in_proj
     k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
-    k1_bn=32, k1_bk=512, k1_warps=4, k1_stages=4,
-    k1_split=1,      # K split of in_proj (partials + last-program sum in split order)
+    k1_bn=32, k1_bk=256, k1_warps=4, k1_stages=4,
+    k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
     # K1 launch 2: conv, gates, recurrence, gated norm
     k1_nv=4,         # programs per (request, head) in the recurrence (value-row split)
     rec_warps=4,
     # K2 launch 1: o_proj
-    k2_bn=16, k2_bk=256, k2_warps=4, k2_stages=4, k2_swap=False, o_split=1,
+    k2_bn=32, k2_bk=256, k2_warps=2, k2_stages=4, k2_swap=False, o_split=1,
     # K2 launch 2: AttnRes phases + router / latent-down / shared gate-up GEMVs + top-k
-    mid_hc=1024, mid_bn=16, mid_bnl=64, mid_bns=32, mid_bk=256, mid_warps=4, mid_stages=4, mid_swap=False,
-    mid_split=1,
+    mid_hc=1024, mid_bn=128, mid_bnl=128, mid_bns=64, mid_bk=128, mid_warps=4, mid_stages=4, mid_swap=True,
+    mid_split=4,
     # K2 launch 3: routed gemm1 (+ shared down)
     x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3, x1_swap=False,
     x1_split=4, x1_fill=264,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
     sd_bn=32, sd_bk=256,
     # K2 launch 4: routed gemm2 + pick-order sum
-    x2_bl=128, x2_unr=4, x2_warps=4, x2_stages=3, x2_swap=False,
+    x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False,
     # K2 launch 5: latent norm + up projection
-    up_bn=16, up_bk=256, up_warps=4, up_swap=False, up_split=1,
+    up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=4,
 )
 
 # The knobs of each launch (call, index of the launch within the call): a launch's time
@@ -43,39 +43,23 @@ GROUPS: dict = {
 }
 
 # Candidates per launch; candidate i of every group runs together in variant i of the tuning
-# pass (each applied over TUNE), and each launch keeps its fastest candidate.
+# pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds the
+# best of the v4 sweep (benchmarks/results/bench_fast_h200_v4_sweep.txt); these refine it.
 CANDIDATES: dict = {
-    ("k1", 0): [{},
-                dict(k1_warps=2),
-                dict(k1_swap=True, k1_bn=64, k1_bk=256, k1_stages=3, k1_split=2),
-                dict(k1_swap=True, k1_bn=64, k1_bk=128, k1_stages=4, k1_split=4),
-                dict(k1_swap=True, k1_bn=128, k1_bk=128, k1_stages=4, k1_split=4),
-                dict(k1_bk=256, k1_split=2),
-                dict(k1_bn=64, k1_bk=256, k1_stages=3, k1_split=4),
-                dict(k1_swap=True, k1_bn=64, k1_bk=256, k1_stages=4, k1_split=4, k1_hc=512)],
-    ("k1", 1): [{}, dict(k1_nv=8), dict(k1_nv=8, rec_warps=2), dict(k1_nv=16, rec_warps=2), dict(k1_nv=2),
-                dict(rec_warps=2), dict(k1_nv=16), dict(k1_nv=8, rec_warps=8)],
-    ("k2", 0): [{}, dict(k2_bn=32, k2_warps=2), dict(k2_swap=True, k2_bn=64, k2_bk=128, o_split=2),
-                dict(k2_swap=True, k2_bn=64, k2_bk=256, k2_stages=3, o_split=2), dict(k2_bk=128, o_split=2),
-                dict(k2_swap=True, k2_bn=128, k2_bk=64, o_split=2), dict(k2_bn=32, k2_bk=512),
-                dict(k2_swap=True, k2_bn=64, k2_bk=128, o_split=3)],
-    ("k2", 1): [{},
-                dict(mid_bn=64, mid_split=4),
-                dict(mid_swap=True, mid_bn=64, mid_bns=64, mid_bk=128, mid_split=4),
-                dict(mid_swap=True, mid_bn=64, mid_stages=3, mid_split=2),
-                dict(mid_bn=32, mid_bnl=32, mid_bns=16, mid_warps=2, mid_split=2),
-                dict(mid_swap=True, mid_bn=128, mid_bnl=128, mid_bns=64, mid_bk=128, mid_split=4),
-                dict(mid_bn=64, mid_stages=3, mid_split=7),
-                dict(mid_swap=True, mid_bn=64, mid_bk=128, mid_split=7, mid_hc=512)],
-    ("k2", 2): [{}, dict(x1_br=32), dict(x1_unr=8, x1_stages=2), dict(x1_br=32, x1_unr=8),
-                dict(x1_warps=8), dict(x1_br=128, x1_warps=8), dict(x1_br=32, x1_unr=2, x1_warps=2),
-                dict(x1_swap=True, x1_stages=4, x1_fill=1024)],
-    ("k2", 3): [{}, dict(x2_bl=64), dict(x2_bl=256, x2_warps=8), dict(x2_unr=2), dict(x2_bl=64, x2_unr=2, x2_warps=2),
-                dict(x2_warps=8), dict(x2_bl=256), dict(x2_swap=True)],
-    ("k2", 4): [{}, dict(up_bn=32, up_split=2), dict(up_swap=True, up_bn=64, up_bk=128, up_split=4),
-                dict(up_split=4), dict(up_bn=32, up_bk=512, up_warps=2, up_split=2),
-                dict(up_swap=True, up_bn=64, up_split=2), dict(up_bk=128, up_split=7),
-                dict(up_swap=True, up_bn=128, up_bk=128, up_split=2)],
+    ("k1", 0): [{}, dict(k1_split=4), dict(k1_bk=128, k1_split=4), dict(k1_warps=2), dict(k1_hc=2048),
+                dict(k1_hc=512), dict(k1_stages=3), dict(k1_bn=64, k1_split=4)],
+    ("k1", 1): [{}, dict(rec_warps=2), dict(k1_nv=2), dict(k1_nv=8), dict(rec_warps=8), dict(k1_nv=1),
+                dict(k1_nv=2, rec_warps=8), dict(k1_nv=8, rec_warps=2)],
+    ("k2", 0): [{}, dict(o_split=2), dict(k2_bn=16), dict(k2_bk=512), dict(k2_stages=3), dict(k2_bn=64, k2_warps=4),
+                dict(k2_bn=16, k2_bk=128, o_split=2), dict(k2_stages=2)],
+    ("k2", 1): [{}, dict(mid_split=8), dict(mid_stages=3), dict(mid_stages=5), dict(mid_split=7),
+                dict(mid_bnl=64, mid_bns=32), dict(mid_hc=512), dict(mid_hc=2048)],
+    ("k2", 2): [{}, dict(x1_fill=1024), dict(x1_stages=4), dict(x1_stages=2), dict(x1_unr=2), dict(x1_warps=2),
+                dict(x1_unr=2, x1_stages=4), dict(sd_bn=64)],
+    ("k2", 3): [{}, dict(x2_bl=32), dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1), dict(x2_warps=1),
+                dict(x2_bl=32, x2_warps=1), dict(x2_unr=4)],
+    ("k2", 4): [{}, dict(up_split=7), dict(up_split=2), dict(up_bn=32), dict(up_bk=256, up_split=2),
+                dict(up_warps=2), dict(up_bn=128), dict(up_bn=32, up_split=7)],
 }
 
 
