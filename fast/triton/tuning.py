@@ -8,25 +8,25 @@ TUNE: dict = dict(
     spin=1 << 22,    # polls of a ticket wait before it gives up (raising the flag health() reports)
     # K1 launch 1: AttnRes phases + in_proj
     k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
-    k1_bn=32, k1_bk=256, k1_warps=4, k1_stages=4,
+    k1_bn=32, k1_bk=256, k1_warps=2, k1_stages=4,
     k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
     # K1 launch 2: conv, gates, recurrence, gated norm
     k1_nv=4,         # programs per (request, head) in the recurrence (value-row split)
     rec_warps=4,
     # K2 launch 1: o_proj
-    k2_bn=32, k2_bk=256, k2_warps=2, k2_stages=4, k2_swap=False, o_split=1,
+    k2_bn=32, k2_bk=256, k2_warps=2, k2_stages=3, k2_swap=False, o_split=1,
     # K2 launch 2: AttnRes phases + router / latent-down / shared gate-up GEMVs + top-k
-    mid_hc=1024, mid_bn=128, mid_bnl=128, mid_bns=64, mid_bk=128, mid_warps=4, mid_stages=4, mid_swap=True,
+    mid_hc=1024, mid_bn=128, mid_bnl=64, mid_bns=32, mid_bk=128, mid_warps=4, mid_stages=4, mid_swap=True,
     mid_split=4,
     # K2 launch 3: routed gemm1 (+ shared down)
     x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3, x1_swap=False,
-    x1_split=4, x1_fill=264,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
+    x1_split=4, x1_fill=1024,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
     sd_bn=32, sd_bk=256,
     # K2 launch 4: routed gemm2 + pick-order sum
     x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False,
     # K2 launch 5: latent norm + up projection
-    up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=4,
+    up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=7,
 )
 
 # The knobs of each launch (call, index of the launch within the call): a launch's time
@@ -43,8 +43,9 @@ GROUPS: dict = {
 }
 
 # Candidates per launch; candidate i of every group runs together in variant i of the tuning
-# pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds the
-# best of the v4 sweep (benchmarks/results/bench_fast_h200_v4_sweep.txt); these refine it.
+# pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds what
+# the v5 tuning pass chose (benchmarks/results/bench_fast_h200.txt); these were its candidates
+# (over the v4 sweep's best, benchmarks/results/bench_fast_h200_v4_sweep.txt).
 CANDIDATES: dict = {
     ("k1", 0): [{}, dict(k1_split=4), dict(k1_bk=128, k1_split=4), dict(k1_warps=2), dict(k1_hc=2048),
                 dict(k1_hc=512), dict(k1_stages=3), dict(k1_bn=64, k1_split=4)],
