@@ -22,9 +22,10 @@ TUNE: dict = dict(
     # K2 launch 3: routed gemm1 (+ shared down)
     x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3, x1_swap=False,
     x1_split=4, x1_fill=1024,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
+    x1_row=False,    # mxfp4 at one token: FMA dot products instead of MMAs (same bits)
     sd_bn=32, sd_bk=256,
     # K2 launch 4: routed gemm2 + pick-order sum
-    x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False,
+    x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False, x2_row=False,
     # K2 launch 5: latent norm + up projection
     up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=7,
 )
@@ -37,8 +38,9 @@ GROUPS: dict = {
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
-    ("k2", 2): ("x1_br", "x1_unr", "x1_warps", "x1_stages", "x1_swap", "x1_split", "x1_fill", "sd_bn", "sd_bk"),
-    ("k2", 3): ("x2_bl", "x2_unr", "x2_warps", "x2_stages", "x2_swap"),
+    ("k2", 2): ("x1_br", "x1_unr", "x1_warps", "x1_stages", "x1_swap", "x1_split", "x1_fill", "x1_row", "sd_bn",
+                "sd_bk"),
+    ("k2", 3): ("x2_bl", "x2_unr", "x2_warps", "x2_stages", "x2_swap", "x2_row"),
     ("k2", 4): ("up_bn", "up_bk", "up_warps", "up_swap", "up_split"),
 }
 
