@@ -46,23 +46,26 @@ GROUPS: dict = {
 
 # Candidates per launch; candidate i of every group runs together in variant i of the tuning
 # pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds what
-# the v5 tuning pass chose (benchmarks/results/bench_fast_h200.txt); these were its candidates
-# (over the v4 sweep's best, benchmarks/results/bench_fast_h200_v4_sweep.txt).
+# the v5 tuning pass chose (benchmarks/results/bench_fast_h200_v5.txt; the v4 sweep:
+# bench_fast_h200_v4_sweep.txt); these are the v6 candidates (the one-token row path for the
+# routed GEMMs, and settings not yet measured for the others).
 CANDIDATES: dict = {
-    ("k1", 0): [{}, dict(k1_split=4), dict(k1_bk=128, k1_split=4), dict(k1_warps=2), dict(k1_hc=2048),
-                dict(k1_hc=512), dict(k1_stages=3), dict(k1_bn=64, k1_split=4)],
-    ("k1", 1): [{}, dict(rec_warps=2), dict(k1_nv=2), dict(k1_nv=8), dict(rec_warps=8), dict(k1_nv=1),
-                dict(k1_nv=2, rec_warps=8), dict(k1_nv=8, rec_warps=2)],
-    ("k2", 0): [{}, dict(o_split=2), dict(k2_bn=16), dict(k2_bk=512), dict(k2_stages=3), dict(k2_bn=64, k2_warps=4),
-                dict(k2_bn=16, k2_bk=128, o_split=2), dict(k2_stages=2)],
-    ("k2", 1): [{}, dict(mid_split=8), dict(mid_stages=3), dict(mid_stages=5), dict(mid_split=7),
-                dict(mid_bnl=64, mid_bns=32), dict(mid_hc=512), dict(mid_hc=2048)],
-    ("k2", 2): [{}, dict(x1_fill=1024), dict(x1_stages=4), dict(x1_stages=2), dict(x1_unr=2), dict(x1_warps=2),
-                dict(x1_unr=2, x1_stages=4), dict(sd_bn=64)],
-    ("k2", 3): [{}, dict(x2_bl=32), dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1), dict(x2_warps=1),
-                dict(x2_bl=32, x2_warps=1), dict(x2_unr=4)],
-    ("k2", 4): [{}, dict(up_split=7), dict(up_split=2), dict(up_bn=32), dict(up_bk=256, up_split=2),
-                dict(up_warps=2), dict(up_bn=128), dict(up_bn=32, up_split=7)],
+    ("k1", 0): [{}, dict(k1_bk=512), dict(k1_bn=16), dict(k1_stages=5), dict(k1_split=1), dict(k1_split=7),
+                dict(k1_bn=16, k1_split=4), dict(k1_warps=1)],
+    ("k1", 1): [{}, dict(rec_warps=1), dict(k1_nv=16, rec_warps=2), dict(k1_nv=8, rec_warps=1),
+                dict(k1_nv=2, rec_warps=2), dict(rec_warps=8), dict(k1_nv=1, rec_warps=2), dict(k1_nv=8)],
+    ("k2", 0): [{}, dict(o_split=2), dict(k2_bk=128), dict(k2_bn=16, k2_warps=1), dict(k2_warps=4), dict(o_split=4),
+                dict(k2_stages=4), dict(k2_bn=64)],
+    ("k2", 1): [{}, dict(mid_split=2), dict(mid_bk=256), dict(mid_bn=64), dict(mid_warps=8), dict(mid_bnl=32),
+                dict(mid_bns=16), dict(mid_stages=3)],
+    ("k2", 2): [{}, dict(x1_row=True), dict(x1_row=True, x1_split=7), dict(x1_row=True, x1_split=14),
+                dict(x1_row=True, x1_unr=2, x1_split=14), dict(x1_row=True, x1_split=1),
+                dict(x1_row=True, x1_unr=2, x1_split=7), dict(x1_row=True, x1_unr=1, x1_split=16)],
+    ("k2", 3): [{}, dict(x2_row=True), dict(x2_row=True, x2_unr=4), dict(x2_row=True, x2_unr=1),
+                dict(x2_row=True, x2_unr=3), dict(x2_row=True, x2_stages=2), dict(x2_row=True, x2_stages=4),
+                dict(x2_row=True, x2_unr=6)],
+    ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=256),
+                dict(up_split=4), dict(up_bn=128), dict(up_warps=8)],
 }
 
 
