@@ -290,7 +290,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             w13, w13s_, w13.stride(0), w13.stride(1), w13s_.stride(0), w13s_.stride(1), sc["v"], sc["vs"], sc["h"],
             w_sd, w_sd.stride(0), sc["fin"], sc["x1part"], sc["ctr_x1"], S, LAT, RI, H, SI, NCH, DMAX, FMT=f, BR=BR,
             SP=SP, UNR=UNR1, X1S=X1S, BN=bsd, BK=_bk(SI, T["sd_bk"]), BETA=key.situ_beta, LBETA=key.situ_linear_beta,
-            STAG=T["stag"], SWAP=T["x1_swap"], ROW=row and T["x1_row"], num_warps=T["x1_warps"],
+            STAG=T["stag"], SWAP=T["x1_swap"], ROW=row and T["x1_row"], SLOAD=T["x1_sload"], num_warps=T["x1_warps"],
             num_stages=T["x1_stages"])
     if tp:
         sh_tap = sc["fin"].clone()
@@ -299,7 +299,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_exp2_kernel, (NLB * DMAX,), sc["elist"], sc["nd"], sc["ids"], sc["tw"], sc["v"], sc["vs"], w2,
             w2s_, w2.stride(0), w2.stride(1), w2s_.stride(0), w2s_.stride(1), sc["contrib"], sc["y"], sc["ctr_lb"],
             S, LAT, RI, DMAX, FMT=f, BL=BL, SP=SP, UNR=_unr(RI, T["x2_unr"]), K=K, KP=_p2(K), STAG=T["stag"],
-            SWAP=T["x2_swap"], ROW=row and T["x2_row"], num_warps=T["x2_warps"], num_stages=T["x2_stages"])
+            SWAP=T["x2_swap"], ROW=row and T["x2_row"], SLOAD=T["x2_sload"], num_warps=T["x2_warps"], num_stages=T["x2_stages"])
     # reduction 2; Ls = bf16(sum) inside the next launch
     ls32 = comm.all_reduce(sc["y"], rank).contiguous()
     # L5: latent norm + this rank's up-projection columns

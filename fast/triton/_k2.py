@@ -258,7 +258,7 @@ def _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR: tl.constex
 @triton.jit
 def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, FMT: tl.constexpr,
           BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, SWAP: tl.constexpr, TWO: tl.constexpr,
-          ROW: tl.constexpr = False):
+          ROW: tl.constexpr = False, SLOAD: tl.constexpr = False):
     """(acc, acc2) [SP, BR] = a[:S] @ W[rows]^T over the K steps [ks0, ks0+nk) of 32·UNR, for one
     expert's rows in its own format; with TWO a second row set (wrow2/srow2) shares every
     activation load (gemm1's gate and up rows).
@@ -268,7 +268,8 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
     as_ptr); 2 int4 (a: bf16 in perm32 order). Quantized blocks: per 32 of K a 16-byte load
     per row, see _xblock; the block sums are added in fp32 in step order from step koff
     (rotated), blocks in order within a step. The scales of the next step are loaded one step
-    ahead. SWAP puts the weights on the MMA's M side (see gemv). ROW (mxfp4, S == 1): _xrow.
+    ahead (SLOAD: loaded per block instead). SWAP puts the weights on the MMA's M side (see gemv).
+    ROW (mxfp4, S == 1): _xrow.
     """
     if ROW:
         return _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR, SP, UNR, TWO)
@@ -299,22 +300,25 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
         r16 = tl.arange(0, 16)
         ru = tl.arange(0, UNR)
         kc = ks0 + koff % nk
-        s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
-        if TWO:
-            s2_nx = tl.load(srow2[:, None] + kc * UNR + ru[None, :])
-        if FMT != 2:
-            a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
+        PF: tl.constexpr = not SLOAD
+        if PF:
+            s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
+            if TWO:
+                s2_nx = tl.load(srow2[:, None] + kc * UNR + ru[None, :])
+            if FMT != 2:
+                a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
         for it in range(0, nk):
             kc = ks0 + (it + koff) % nk
             kn = ks0 + (it + 1 + koff) % nk
-            s_cu = s_nx
-            s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
-            if TWO:
-                s2_cu = s2_nx
-                s2_nx = tl.load(srow2[:, None] + kn * UNR + ru[None, :])
-            if FMT != 2:
-                a_cu = a_nx
-                a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
+            if PF:
+                s_cu = s_nx
+                s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
+                if TWO:
+                    s2_cu = s2_nx
+                    s2_nx = tl.load(srow2[:, None] + kn * UNR + ru[None, :])
+                if FMT != 2:
+                    a_cu = a_nx
+                    a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
             for uu in tl.static_range(UNR):
                 kb = kc * UNR + uu
                 b = tl.load(wrow[:, None] + kb * 16 + r16[None, :])
@@ -322,7 +326,18 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
                     b2 = tl.load(wrow2[:, None] + kb * 16 + r16[None, :])
                 ae = tl.load(a_ptr + rs[:, None] * sar + kb * 32 + r16[None, :], mask=sm[:, None], other=0.0)
                 ao = tl.load(a_ptr + rs[:, None] * sar + kb * 32 + 16 + r16[None, :], mask=sm[:, None], other=0.0)
-                if FMT != 2:
+                if SLOAD:  # the block's scales loaded where they are used (L1-hot: the step's share lines)
+                    if FMT != 2:
+                        fa = pow2(tl.load(as_ptr + rs * sasr + kb, mask=sm, other=0).to(tl.int32) - 113)
+                        fw = e8m0(tl.load(srow + kb))
+                        if TWO:
+                            fw2 = e8m0(tl.load(srow2 + kb))
+                    else:
+                        fw = tl.load(srow + kb).to(tl.float32)
+                        fa = fw
+                        if TWO:
+                            fw2 = tl.load(srow2 + kb).to(tl.float32)
+                elif FMT != 2:
                     fa = pow2(tl.sum(tl.where(ru[None, :] == uu, a_cu, 0), axis=1) - 113)  # 2^(sa-127)·2^14
                     fw = e8m0(tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.int32), 0), axis=1))
                     if TWO:
@@ -346,7 +361,7 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
                    h_ptr, wsd_ptr, swsd, fin_ptr, part_ptr, ctr_ptr, S, LAT, RI, H, SI, NCH, DMAX,
                    FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, X1S: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, STAG: tl.constexpr,
-                   SWAP: tl.constexpr, ROW: tl.constexpr):
+                   SWAP: tl.constexpr, ROW: tl.constexpr, SLOAD: tl.constexpr):
     """Grid (DMAX·NCH·X1S + cdiv(H, BN),): routed gemm1 + SiTU for (distinct pick i, RI chunk c,
     K split ks), then the shared-expert down projection sh -> fin (the up projection adds to it
     later).
@@ -372,7 +387,7 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
             sb = ws_ptr + e * ws_se
             nk = LAT // (32 * UNR) // X1S
             g, u = xgemm(wb + rr * w_sr, sb + rr * ws_sr, wb + (RI + rr) * w_sr, sb + (RI + rr) * ws_sr, a_ptr, LAT,
-                         as_ptr, LAT // 32, S, ks * nk, nk, (pid * STAG) % nk, FMT, BR, SP, UNR, SWAP, True, ROW)
+                         as_ptr, LAT // 32, S, ks * nk, nk, (pid * STAG) % nk, FMT, BR, SP, UNR, SWAP, True, ROW, SLOAD)
             last = True
             if X1S > 1:
                 pw = DMAX * 2 * RI
@@ -418,7 +433,8 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
 def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_ptr, w_se, w_sr, ws_se, ws_sr,
                    contrib_ptr, y_ptr, ctr_ptr, S, LAT, RI, DMAX,
                    FMT: tl.constexpr, BL: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr,
-                   K: tl.constexpr, KP: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, ROW: tl.constexpr):
+                   K: tl.constexpr, KP: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, ROW: tl.constexpr,
+                   SLOAD: tl.constexpr):
     """Grid (NLB·DMAX,): routed gemm2 for (latent block lb, distinct pick i) -> contrib[t, k] =
     bf16(acc·w) for every token t that picked it (at its rank k); the last program of a
     latent block (acq_rel counter) sums y = bf16(y + contrib_k) in pick order for the block.
@@ -441,7 +457,7 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
         ko = (pid * STAG) % (RI // (32 * UNR))
         acc, _ = xgemm(w_ptr + e64 * w_se + rl * w_sr, ws_ptr + e64 * ws_se + rl * ws_sr, w_ptr, ws_ptr,
                        v_ptr + i * S * RI, RI, vs_ptr + i * S * (RI // 32), RI // 32, S, 0, RI // (32 * UNR), ko, FMT,
-                       BL, SP, UNR, SWAP, False, ROW)
+                       BL, SP, UNR, SWAP, False, ROW, SLOAD)
         tl.store(contrib_ptr + (rs[:, None] * K + kpos[:, None]) * LAT + rl[None, :], bf16(acc * wt[:, None]),
                  mask=has[:, None])
     tl.debug_barrier()

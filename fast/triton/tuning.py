@@ -22,10 +22,11 @@ TUNE: dict = dict(
     # K2 launch 3: routed gemm1 (+ shared down)
     x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3, x1_swap=False,
     x1_split=4, x1_fill=1024,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
-    x1_row=False,    # mxfp4 at one token: FMA dot products instead of MMAs (same bits)
+    x1_row=True,     # mxfp4 at one token: FMA dot products instead of MMAs (same bits)
+    x1_sload=False,  # quantized blocks' scales loaded per block (True) or per step and picked out (False)
     sd_bn=32, sd_bk=256,
     # K2 launch 4: routed gemm2 + pick-order sum
-    x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False, x2_row=False,
+    x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False, x2_row=True, x2_sload=False,
     # K2 launch 5: latent norm + up projection
     up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=7,
 )
@@ -38,17 +39,17 @@ GROUPS: dict = {
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
-    ("k2", 2): ("x1_br", "x1_unr", "x1_warps", "x1_stages", "x1_swap", "x1_split", "x1_fill", "x1_row", "sd_bn",
+    ("k2", 2): ("x1_br", "x1_unr", "x1_warps", "x1_stages", "x1_swap", "x1_split", "x1_fill", "x1_row", "x1_sload", "sd_bn",
                 "sd_bk"),
-    ("k2", 3): ("x2_bl", "x2_unr", "x2_warps", "x2_stages", "x2_swap", "x2_row"),
+    ("k2", 3): ("x2_bl", "x2_unr", "x2_warps", "x2_stages", "x2_swap", "x2_row", "x2_sload"),
     ("k2", 4): ("up_bn", "up_bk", "up_warps", "up_swap", "up_split"),
 }
 
 # Candidates per launch; candidate i of every group runs together in variant i of the tuning
 # pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds what
-# the v5 tuning pass chose (benchmarks/results/bench_fast_h200_v5.txt; the v4 sweep:
-# bench_fast_h200_v4_sweep.txt); these are the v6 candidates (the one-token row path for the
-# routed GEMMs, and settings not yet measured for the others).
+# the v6 tuning pass chose (x1_row / x2_row; benchmarks/NOTES.md v6, over v5's choice:
+# bench_fast_h200_v5.txt; the v4 sweep: bench_fast_h200_v4_sweep.txt). A candidate that fails
+# to build or disagrees with the reference drops its whole variant, so risky ones share one.
 CANDIDATES: dict = {
     ("k1", 0): [{}, dict(k1_bk=512), dict(k1_bn=16), dict(k1_stages=5), dict(k1_split=1), dict(k1_split=7),
                 dict(k1_bn=16, k1_split=4), dict(k1_warps=1)],
@@ -58,12 +59,10 @@ CANDIDATES: dict = {
                 dict(k2_stages=4), dict(k2_bn=64)],
     ("k2", 1): [{}, dict(mid_split=2), dict(mid_bk=256), dict(mid_bn=64), dict(mid_warps=8), dict(mid_bnl=32),
                 dict(mid_bns=16), dict(mid_stages=3)],
-    ("k2", 2): [{}, dict(x1_row=True), dict(x1_row=True, x1_split=7), dict(x1_row=True, x1_split=14),
-                dict(x1_row=True, x1_unr=2, x1_split=14), dict(x1_row=True, x1_split=1),
-                dict(x1_row=True, x1_unr=2, x1_split=7), dict(x1_row=True, x1_unr=1, x1_split=16)],
-    ("k2", 3): [{}, dict(x2_row=True), dict(x2_row=True, x2_unr=4), dict(x2_row=True, x2_unr=1),
-                dict(x2_row=True, x2_unr=3), dict(x2_row=True, x2_stages=2), dict(x2_row=True, x2_stages=4),
-                dict(x2_row=True, x2_unr=6)],
+    ("k2", 2): [{}, dict(x1_sload=True), dict(x1_split=7), dict(x1_split=14), dict(x1_unr=2, x1_split=14),
+                dict(x1_split=1), dict(x1_unr=2, x1_split=7), dict(x1_unr=1, x1_split=16)],
+    ("k2", 3): [{}, dict(x2_sload=True), dict(x2_unr=4), dict(x2_unr=1), dict(x2_unr=4, x2_stages=2),
+                dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1, x2_warps=1)],
     ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=256),
                 dict(up_split=4), dict(up_bn=128), dict(up_warps=8)],
 }
