@@ -9,12 +9,15 @@ sums, so they cost nothing here) under CUDA-graph replay, with NROT copies of ev
 weight and input replayed in turn so the L2 cache (50 MB) holds none of them; the byte
 floor of each launch over the read bandwidth measured in the same run (a 4 GiB
 torch.sum; an elementwise add is printed beside it); the ratio; the eager reference
-(`ref.kda_pre`, `ref.k2_launch`) on the same device; and the three reductions' local
-work (rank-order fp32 sum of 8 partials + rounding, as SimWorld does it) timed apart.
+(`ref.kda_pre`, `ref.k2_launch`) on the same device; the three reductions timed apart,
+both as SimWorld's torch code (rank-order fp32 sum of 8 partials + rounding) and as the
+twin's one-launch rank_sum over a stacked [8, ...] buffer (fast.triton.comm); and the
+whole K2 step of one rank: its 5 launches and the 3 one-launch reductions in one graph.
 
-A tuning pass first times the settings in fast/triton/tuning.py CANDIDATES per launch
-group at 4x4 and 8x1 and keeps the fastest (--no-tune: TUNE as it is); the table
-reports the chosen settings.
+A tuning pass first times the candidates of fast/triton/tuning.py per launch (variant i =
+candidate i of every launch) at --sweep-cases, each launch alone, and keeps each launch's
+fastest candidate among the variants that agree with the reference (--no-tune: TUNE as it
+is); the table reports the chosen settings.
 
 Every case is checked against the reference at these dims (a collective that sums 8
 copies of this rank's partial stands in for the other ranks, the same for both sides):
@@ -85,6 +88,29 @@ class RecordComm(ReplicaComm):
         s = super().all_reduce(x, rank)
         self.sums.append(s.clone())
         return s
+
+
+class StackComm:
+    """One rank's view of the one-device collective (fast.triton.comm.rank_sum): per reduction a
+    [WORLD, ...] stack whose other slots hold stand-ins (this rank's first partial, as ReplicaComm
+    sums), this rank's slot rewritten each call, and the rank-order sum as one launch into a
+    fixed result buffer (graph-capturable after a first call)."""
+
+    world = WORLD
+
+    def __init__(self):
+        self.st, self.out, self.order = {}, {}, None
+
+    def all_reduce(self, x, rank):
+        from fast.triton.comm import rank_sum
+
+        k = x.data_ptr()
+        if k not in self.st:
+            self.st[k] = x.unsqueeze(0).repeat((WORLD,) + (1,) * x.dim()).contiguous()
+            self.out[k] = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            self.order = torch.arange(WORLD, dtype=torch.int32, device=x.device)
+        self.st[k][rank].copy_(x)
+        return rank_sum(self.st[k], self.order, self.out[k])
 
 
 # ------------------------------------------------------------------------- inputs
@@ -215,6 +241,14 @@ def check_case(backend, key1, k1, key2, k2):
         rows.append(compare("k2.tap." + n, tb[n], ta[n], cos_min=loose if n in ("y", "ln", "fin") else 0.9999))
     rows.append(compare("k2.prefix", b["prefix"], a["prefix"]))
     rows.append(compare("k2.out", b["out"], a["out"], cos_min=loose))
+    d = clone(k2)
+    backend.k2_launch(key2, **d, rank=0, comm=StackComm())
+    sync()
+    rows.append(compare("k2.out one-launch reductions == ReplicaComm", d["out"], b["out"], exact=True))
+    h = backend.health()
+    rows.append(dict(name="health()", ok=not h, exact=float(not h)))
+    for m in h:
+        log(f"  health: {m}")
     c = clone(k2)
     ref.k2_launch(key2, **c, rank=0, comm=ReplicaComm(), perturb=1)
     spread = compare("k2.out ref-vs-ref(perturb)", c["out"], a["out"], cos_min=0.0)
@@ -471,25 +505,41 @@ def run_case(backend, cfg, S, L, fmt, dev, rot, bw, check, eager, breakdown=Fals
     for k, v in _host._SCRATCH.items():
         if k[0] == "k2" and k[1] == sets[0][2]:
             nd = int(v["nd"].item())
-        if k[1] in (sets[0][0], sets[0][2]) and int(v["ctr"][3].item()) != 0:
-            log(f"  SPIN OVERFLOW in {k[0]} ({int(v['ctr'][3].item())} programs gave up waiting)")
     k1fns = [lambda s=s: backend.kda_pre(s[0], **s[1]) for s in sets]
     k2fns = [lambda s=s, c=c: backend.k2_launch(s[2], **s[3], rank=0, comm=c) for s, c in zip(sets, fixed)]
     res["k1_us"] = graph_time(k1fns)
     res["k2_us"] = graph_time(k2fns)
     if breakdown:
-        for name, fns, n in (("k1", k1fns, 2 if TUNE["k1_merge"] else 3), ("k2", k2fns, 5)):
+        for name, fns, n in (("k1", k1fns, 2), ("k2", k2fns, 5)):
             per = []
             for i in range(n):
                 with Only([i]) as o:
                     per.append(graph_time([lambda f=f: (o.reset(), f()) for f in fns], reps=15))
             res[name + "_launch_us"] = per
-    red = [sets[0][3]["out"].clone(), torch.ones(S, cfg.lat, device=dev, dtype=torch.bfloat16),
-           sets[0][3]["out"].clone()]
+    # the three reductions apart: SimWorld's torch code (rank-order sum of 8 partials; R3 with
+    # the rounding copy) and the one-launch rank_sum over a stacked [8, ...] buffer (+ the copy
+    # of this rank's slot)
+    from fast.triton.comm import rank_sum
+    parts = [torch.randn(S, cfg.hidden, device=dev).bfloat16(), torch.randn(S, cfg.lat, device=dev).bfloat16(),
+             torch.randn(S, cfg.hidden, device=dev).bfloat16()]
     outb = torch.empty(S, cfg.hidden, dtype=torch.bfloat16, device=dev)
-    rfn = [lambda: [ordered_sum([red[0]] * WORLD), ordered_sum([red[1]] * WORLD),
-                    outb.copy_(ordered_sum([red[2]] * WORLD))]]
-    res["red_us"] = graph_time(rfn)
+    order = torch.arange(WORLD, dtype=torch.int32, device=dev)
+    stacks = [p.unsqueeze(0).repeat(WORLD, 1, 1).contiguous() for p in parts]
+    sums = [torch.empty(p.shape, dtype=torch.float32, device=dev) for p in parts]
+    res["red_torch_us"] = [graph_time([lambda p=p: ordered_sum([p] * WORLD)]) for p in parts[:2]] + \
+        [graph_time([lambda: outb.copy_(ordered_sum([parts[2]] * WORLD))])]
+    res["red_fused_us"] = [graph_time([lambda i=i: (stacks[i][0].copy_(parts[i]), rank_sum(stacks[i], order, sums[i]))])
+                           for i in range(2)] + \
+        [graph_time([lambda: (stacks[2][0].copy_(parts[2]), outb.copy_(rank_sum(stacks[2], order, sums[2])))])]
+    res["red_us"] = sum(res["red_fused_us"])
+    # the whole K2 step of this rank: its 5 launches and the 3 one-launch reductions
+    stc = [StackComm() for _ in sets]
+    res["step_us"] = graph_time([lambda s=s, c=c: backend.k2_launch(s[2], **s[3], rank=0, comm=c)
+                                 for s, c in zip(sets, stc)])
+    h = backend.health()
+    for m in h:
+        log(f"  health after timing {S}x{L}: {m}")
+    res["health"] = h
     f1 = k1_floor(sets[0][0], sets[0][1], cfg)
     f2 = k2_floor(sets[0][2], sets[0][3], cfg, nd)
     res.update(k1_bytes=f1, k2_bytes=f2, nd=nd)
@@ -519,29 +569,81 @@ def time_groups(backend, cfg, S, L, fmt, dev, rot, groups=("k1", "k2")):
     return out
 
 
-def tune(backend, cfg, fmt, dev, rot, base, cases):
-    """Try tuning.CANDIDATES per launch group on `cases`; return base updated with the
-    fastest candidate of each group (total µs over the cases) and the log lines."""
-    from fast.triton import _host
-    from fast.triton.tuning import CANDIDATES, TUNE
+def launch_times(backend, sets, fixed):
+    """Graph-replay µs of every launch alone: {"k1": [2], "k2": [5]}."""
+    k1fns = [lambda s=s: backend.kda_pre(s[0], **s[1]) for s in sets]
+    k2fns = [lambda s=s, c=c: backend.k2_launch(s[2], **s[3], rank=0, comm=c) for s, c in zip(sets, fixed)]
+    out = {}
+    for name, fns, n in (("k1", k1fns, 2), ("k2", k2fns, 5)):
+        per = []
+        for i in range(n):
+            with Only([i]) as o:
+                per.append(graph_time([lambda f=f: (o.reset(), f()) for f in fns], reps=15))
+        out[name] = per
+    return out
 
-    best, lines = dict(base), []
-    for group in ("k1", "k2"):
-        scores = []
-        for cand in CANDIDATES[group]:
-            TUNE.clear()
-            TUNE.update(best, **cand)
-            _host.clear_scratch()
-            try:
-                ts = [time_groups(backend, cfg, S, L, fmt, dev, rot, (group,))[group] for S, L in cases]
-            except Exception as ex:  # noqa: BLE001 - a candidate the device cannot run is skipped
-                lines.append(f"  {group} {cand}: failed ({type(ex).__name__}: {str(ex)[:120]})")
-                continue
-            scores.append((sum(ts), cand))
-            lines.append(f"  {group} {cand or 'defaults'}: " + ", ".join(f"{S}x{L} {t:.1f}" for (S, L), t in
-                                                                      zip(cases, ts)) + " µs")
-        if scores:
-            best.update(min(scores, key=lambda x: x[0])[1])
+
+def tune(backend, cfg, fmt, dev, rot, base, cases):
+    """Variant i of the tuning pass runs candidate i of every launch group (tuning.variant);
+    each launch is timed alone at `cases` and keeps its fastest candidate among the variants
+    whose outputs agree with the reference (prefix exact, core_out / out by cosine) and whose
+    health() is clean. Returns (base updated, log lines)."""
+    from fast.triton import _host
+    from fast.triton.tuning import CANDIDATES, TUNE, n_variants, variant
+
+    refs = {}
+    for S, L in cases:
+        sets = [make_case(cfg, S, L, fmt, dev, w1, w2, seed=i) for i, (w1, w2) in enumerate(rot)]
+        key1, k1, key2, k2 = sets[0]
+        o1, o2 = clone(k1), clone(k2)  # pristine inputs: the timing runs update the carry in place
+        a1, a2 = clone(o1), clone(o2)
+        ref.kda_pre(key1, **a1)
+        ref.k2_launch(key2, **a2, rank=0, comm=ReplicaComm())
+        refs[(S, L)] = (sets, o1, o2, a1, a2)
+    lines, scores = [], {g: [] for g in CANDIDATES}
+    for i in range(n_variants()):
+        TUNE.clear()
+        TUNE.update(base, **variant(i))
+        _host.clear_scratch()
+        backend.health()
+        cells, ok, tot = [], True, {g: 0.0 for g in CANDIDATES}
+        try:
+            for (S, L), (sets, o1, o2, a1, a2) in refs.items():
+                key1, _, key2, _ = sets[0]
+                b1, b2 = clone(o1), clone(o2)
+                backend.kda_pre(key1, **b1)
+                backend.k2_launch(key2, **b2, rank=0, comm=ReplicaComm())
+                sync()
+                why = [n for n, bad in (("prefix", not torch.equal(b1["prefix"], a1["prefix"])),
+                                        ("core_out", not compare("", b1["core_out"], a1["core_out"])["ok"]),
+                                        ("out", not compare("", b2["out"], a2["out"], cos_min=0.998)["ok"])) if bad]
+                fixed = []
+                for s_ in sets:
+                    rc = RecordComm()
+                    backend.k2_launch(s_[2], **clone(s_[3]), rank=0, comm=rc)
+                    fixed.append(FixedComm(rc.sums))
+                t = launch_times(backend, sets, fixed)
+                why += backend.health()
+                good = not why
+                ok &= good
+                for (call, idx) in CANDIDATES:
+                    tot[(call, idx)] += t[call][idx]
+                cells.append(f"{S}x{L} k1 " + "/".join(f"{x:.1f}" for x in t["k1"]) + " k2 " +
+                             "/".join(f"{x:.1f}" for x in t["k2"]) + ("" if good else f" BAD: {why}"))
+        except Exception as ex:  # noqa: BLE001 - a variant the device cannot run is skipped
+            lines.append(f"  variant {i}: failed ({type(ex).__name__}: {str(ex)[:160]})")
+            continue
+        lines.append(f"  variant {i} {variant(i) or 'defaults'}: " + "; ".join(cells))
+        if ok:
+            for g in CANDIDATES:
+                if i < len(CANDIDATES[g]):
+                    scores[g].append((tot[g], i))
+    best = dict(base)
+    for g, sc in scores.items():
+        if sc:
+            t, i = min(sc)
+            best.update(CANDIDATES[g][i])
+            lines.append(f"  launch {g}: candidate {i} {CANDIDATES[g][i] or 'defaults'} ({t:.1f} µs over the cases)")
     TUNE.clear()
     TUNE.update(best)
     _host.clear_scratch()
@@ -550,7 +652,7 @@ def tune(backend, cfg, fmt, dev, rot, base, cases):
 
 def fmt_table(rows, bw, bw_add):
     hdr = ["S", "L", "K1 µs", "K1 floor", "x", "K1 ref µs", "ref/K1", "K2 µs", "K2 floor", "x", "K2 ref µs",
-           "ref/K2", "reduce µs", "picks"]
+           "ref/K2", "reductions µs (fused; torch)", "K2 step µs", "picks"]
     out = [f"bandwidth: torch.sum 4 GiB {bw:.0f} GB/s (floor basis); add 1+1->1 GiB {bw_add:.0f} GB/s",
            " | ".join(hdr)]
     for r in rows:
@@ -559,7 +661,9 @@ def fmt_table(rows, bw, bw_add):
             f"{r['k1_us'] / r['k1_floor_us']:.2f}", f"{r.get('k1_ref_us', float('nan')):.0f}",
             f"{r.get('k1_ref_us', float('nan')) / r['k1_us']:.0f}", f"{r['k2_us']:.1f}", f"{r['k2_floor_us']:.1f}",
             f"{r['k2_us'] / r['k2_floor_us']:.2f}", f"{r.get('k2_ref_us', float('nan')):.0f}",
-            f"{r.get('k2_ref_us', float('nan')) / r['k2_us']:.0f}", f"{r['red_us']:.1f}", str(r["nd"])]))
+            f"{r.get('k2_ref_us', float('nan')) / r['k2_us']:.0f}",
+            "+".join(f"{x:.1f}" for x in r["red_fused_us"]) + "; " + "+".join(f"{x:.1f}" for x in r["red_torch_us"]),
+            f"{r['step_us']:.1f}", str(r["nd"])]))
     return "\n".join(out)
 
 
@@ -571,7 +675,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the reference comparison")
     ap.add_argument("--no-eager", action="store_true", help="skip timing the eager reference")
     ap.add_argument("--sweep", default="", help="';'-separated TUNE variants 'k=v,k=v' timed at --sweep-cases")
-    ap.add_argument("--sweep-cases", default="4x4,8x1", help="cases of --sweep and of the tuning pass")
+    ap.add_argument("--sweep-cases", default="1x1,8x4", help="cases of --sweep and of the tuning pass")
     ap.add_argument("--no-tune", action="store_true", help="skip the tuning pass (use TUNE as it is)")
     ap.add_argument("--set", default="", help="TUNE overrides 'k=v,...' for the main table")
     ap.add_argument("--json", default="", help="write every measured number to this file")
@@ -602,12 +706,9 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = rcfg.get_config("k3-tp8")
     log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {BACKEND.version}")
-    from fast.triton.tuning import CANDIDATES
+    from fast.triton.tuning import n_variants, variant
     tunes = [base] + [dict(base, **v) for v in variants]
-    ncand = max(len(CANDIDATES["k1"]), len(CANDIDATES["k2"]))
-    cand_tunes = [] if a.no_tune else [dict(base, **(CANDIDATES["k1"][i] if i < len(CANDIDATES["k1"]) else {}),
-                                            **(CANDIDATES["k2"][i] if i < len(CANDIDATES["k2"]) else {}))
-                                       for i in range(ncand)]
+    cand_tunes = [] if a.no_tune else [dict(base, **variant(i)) for i in range(n_variants())]
     jobs = [(t, sweep_cases) for t in tunes[1:] + cand_tunes] + ([(base, sweep_cases)] if variants else [])
     if a.no_tune:
         jobs.append((dict(base, _taps=not a.no_check), cases))

@@ -108,7 +108,7 @@ def _check(key, kw, a, b, ta, tb):
 def test_k1_matches_reference(backend, tune, k1_case, case):
     if case == "block_write_delta_padding":
         # layer 2 of tiny (block_size 2): writes bank row 1; every 2nd request is padding
-        tune.update(k1_nv=2)
+        tune.update(k1_nv=2, k1_hc=48)  # 3 AttnRes chunks of 43, 43, 42 columns
         key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
         assert key.write_idx == 1
     elif case == "plain_no_delta_strided":
@@ -118,7 +118,7 @@ def test_k1_matches_reference(backend, tune, k1_case, case):
         kw["rstate"] = _strided_slots(kw["rstate"])
         assert key.write_idx == -1 and kw["conv_state"].stride(1) == 1
     else:
-        tune.update(k1_merge=False, k1_split=2, k1_bk=32, k1_bn=16, k1_swap=True)
+        tune.update(k1_split=2, k1_bk=32, k1_bn=16, k1_swap=True, k1_hc=32)  # 4 AttnRes chunks per row
         key, kw = k1_case(layer=5, R=5, L=1, with_delta=True, pad_every=3)
     a, b, ta, tb = _run(backend, key, kw)
     _check(key, kw, a, b, ta, tb)

@@ -47,8 +47,10 @@ def _world(backend, key, ranks):
     ("bf16", 2, {}),                                   # block-write layer: prefix reset to delta
     ("mxfp4", 1, {}),
     ("int4", 2, {}),
-    ("mxfp4", 3, dict(k2_swap=True, x_swap=True, mid_split=2, o_split=2, up_split=2, k2_bk=32, up_bk=32,
-                      mid_bn=16, mid_bnl=32, mid_bns=16, x2_bl=32)),
+    ("mxfp4", 3, dict(k2_swap=True, x1_swap=True, x2_swap=True, mid_swap=True, up_swap=True, mid_split=2, o_split=2, up_split=2,
+                      k2_bk=32, mid_bk=32, up_bk=32, mid_bn=16, mid_bnl=32, mid_bns=16, x2_bl=32, mid_hc=48)),
+    ("a8w4", 1, dict(x1_unr=1, x1_split=2, mid_bn=4, mid_hc=32)),  # gemm1 K split; 4 router blocks of 4
+    ("int4", 3, dict(x1_unr=1, x1_split=2, mid_bn=8)),
 ])
 def test_k2_world_matches_reference(backend, tune, k2_case, fmt, layer, tune_set):
     tune.update(tune_set)

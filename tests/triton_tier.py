@@ -27,8 +27,15 @@ def tune():
     from fast.triton import _host
     from fast.triton.tuning import TUNE
 
+    class Checked(dict):
+        def update(self, *a, **kw):  # a misspelt knob would silently test the defaults
+            new = dict(*a, **kw)
+            unknown = set(new) - set(TUNE)
+            assert not unknown, f"unknown TUNE keys {sorted(unknown)}"
+            TUNE.update(new)
+
     saved = dict(TUNE)
-    yield TUNE
+    yield Checked()
     TUNE.clear()
     TUNE.update(saved)
     _host.clear_scratch()

@@ -1,8 +1,9 @@
 """Triton backend: fused K1/K2 of the DESIGN §6 contract for CUDA, ROCm and the CPU
 interpreter (TRITON_INTERPRET=1, read when the kernels are first imported).
 
-K1: 2 launches (3 with TUNE['k1_merge'] off); K2: 5 launches and the 3 reductions through
-the collective. docs/triton.md describes every kernel.
+K1: 2 launches; K2: 5 launches and the 3 reductions through the collective. `health()` reports
+what the kernels flagged (a ticket wait that timed out, a handshake left open).
+docs/triton.md describes every kernel.
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class _Backend:
     def k2_launch(self, key, **kw):
         from ._host import k2_launch
         return k2_launch(key, **kw)
+
+    def health(self) -> list[str]:
+        """Problems seen since the last call, one line each ([] = healthy); synchronizes the
+        device and clears what it read. Call once per step, after K1 and K2."""
+        from ._host import health
+        return health()
 
 
 BACKEND = _Backend()

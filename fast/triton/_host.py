@@ -19,7 +19,8 @@ from .tuning import TUNE
 
 _SCRATCH: dict = {}
 _LOCK = threading.Lock()  # one enqueue at a time (the interpreter is not thread-safe)
-FMT_CODE = {"bf16": 0, "mxfp4": 1, "int4": 2}
+FMT_CODE = {"bf16": 0, "mxfp4": 1, "int4": 2, "a8w4": 3}  # a8w4: mxfp4 weights, MXFP8 (E4M3) activations
+MX_ACT = ("mxfp4", "a8w4")  # activations quantized per 32 with an E8M0 scale (values kept as fp16)
 
 
 def _p2(n: int) -> int:
@@ -70,7 +71,7 @@ def _launch(kernel, grid, *args, **kw):
 
 def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw, w_in, w_fb, conv_w, conv_state,
             a_log, dt_bias, on_w, rstate, st_idx, num_acc, core_out, layer=None, taps=None, **_runtime) -> None:
-    """K1 of one rank (DESIGN §5 K1) in 2 launches (3 when TUNE['k1_merge'] is off)."""
+    """K1 of one rank (DESIGN §5 K1) in 2 launches."""
     args = dict(prefix=prefix, delta=delta, blocks=blocks, ares_nw=ares_nw, ares_qk=ares_qk, in_nw=in_nw,
                 w_in=w_in, w_fb=w_fb, conv_w=conv_w, conv_state=conv_state, a_log=a_log, dt_bias=dt_bias,
                 on_w=on_w, rstate=rstate, st_idx=st_idx, num_acc=num_acc, core_out=core_out)
@@ -103,33 +104,26 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     BV = HD // NV
     bk = _bk(H, T["k1_bk"])
     bn = T["k1_bn"]
-    sc = _scratch("k1", key, dev, (S, H, NP, NH, HD), 0, lambda: dict(
+    ar = _ares_dims(H, key.nblocks, TUNE["k1_hc"])
+    sc = _scratch("k1", key, dev, (S, H, NP, NH, HD, ar["CHP"]), 0, lambda: dict(
         x=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         proj=torch.empty(S, NP, dtype=torch.bfloat16, device=dev),
         obuf=torch.empty(S, NH, HD, dtype=torch.bfloat16, device=dev),
-        ctr=torch.zeros(8, dtype=torch.int32, device=dev),
+        ctr=torch.zeros(8 + 2 * S, dtype=torch.int32, device=dev),
         ctr_rec=torch.zeros(R * NH, dtype=torch.int32, device=dev),
+        **_ares_scratch(S, H, key.nblocks, TUNE["k1_hc"], dev),
         part=torch.empty(16, max(16, _p2(S)), NP, dtype=torch.float32, device=dev),  # K-split partials
         ctr_n=torch.zeros(triton_cdiv(NP, 16), dtype=torch.int32, device=dev)))
     add = 1 if delta is not None else 0
     dptr = delta if delta is not None else prefix
     NB = key.nblocks
-    BH = min(T["attn_bh"], _p2(H))
-    common = (prefix, prefix.stride(0), dptr, dptr.stride(0), blocks, blocks.stride(0), blocks.stride(1),
-              ares_nw, ares_qk, in_nw, sc["x"])
-    if T["k1_merge"]:
-        spl = _split(H // bk, T["k1_split"])
-        _launch(_k1.k1_mid_kernel, (S + triton_cdiv(NP, bn) * spl,), sc["ctr"], *common, w_in, w_in.stride(0),
-                sc["proj"], sc["part"], sc["ctr_n"], S, H, NP, key.eps, key.out_eps, NB=NB, NBP=_p2(NB + 1), BH=BH,
-                ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl, STAG=T["stag"],
-                SWAP=T["k1_swap"], num_warps=T["k1_warps"], num_stages=T["k1_stages"])
-    else:
-        _launch(_k1.k1_attnres_kernel, (S,), *common, H, key.eps, key.out_eps, NB=NB, NBP=_p2(NB + 1), BH=BH,
-                ADD=add, WRITE_IDX=key.write_idx, num_warps=T["attn_warps"])
-        spl = _split(H // bk, T["k1_split"])
-        _launch(_k1.gemv_kernel, (triton_cdiv(NP, bn) * spl,), sc["x"], H, S, w_in, w_in.stride(0), sc["proj"], NP,
-                NP, H, sc["part"], sc["ctr_n"], BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl, STAG=T["stag"],
-                SWAP=T["k1_swap"], num_warps=T["k1_warps"], num_stages=T["k1_stages"])
+    spl = _split(H // bk, T["k1_split"])
+    _launch(_k1.k1_mid_kernel, (3 * S * ar["CH"] + triton_cdiv(NP, bn) * spl,), sc["ctr"], prefix, prefix.stride(0),
+            dptr, dptr.stride(0), blocks, blocks.stride(0), blocks.stride(1), ares_nw, ares_qk, in_nw, sc["x"],
+            sc["apart"], sc["mix"], sc["msq"], w_in, w_in.stride(0), sc["proj"], sc["part"], sc["ctr_n"], S, H,
+            ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
+            BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
+            STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"])
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -144,7 +138,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             rsd.stride(2), rsd.stride(3), st_idx, st_idx.stride(0), st_idx.stride(1), num_acc, core_out,
             core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
-            num_warps=T["rec_warps"])
+            num_warps=T["rec_warps"], enable_fp_fusion=False)  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,
                     o=sc["obuf"].clone())
@@ -152,6 +146,21 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _ares_dims(H: int, NB: int, want: int) -> dict:
+    """AttnRes chunking: CH column chunks of width HC (<= want) per token row."""
+    HC = min(_p2(H), want)
+    CH = triton_cdiv(H, HC)
+    HC = triton_cdiv(H, CH)
+    return dict(HC=HC, CH=CH, CHP=_p2(CH), BHC=_p2(HC), NBP=_p2(NB + 1))
+
+
+def _ares_scratch(S: int, H: int, NB: int, want: int, dev) -> dict:
+    d = _ares_dims(H, NB, want)
+    return dict(apart=torch.empty(S, d["CHP"], 2 * d["NBP"], dtype=torch.float32, device=dev),
+                mix=torch.empty(S, H, dtype=torch.float32, device=dev),
+                msq=torch.empty(S, d["CHP"], dtype=torch.float32, device=dev))
 
 
 # ------------------------------------------------------------------------------------ K2
@@ -210,27 +219,40 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
         BNL //= 2
     if packed and BNL < 32:
         BNL = 32  # whole quant blocks per program
-    sc = _scratch("k2", key, dev, (S, H, P, E, LAT, SI, RI, UPN), rank, lambda: dict(
+    NB = key.nblocks
+    ar = _ares_dims(H, NB, T["mid_hc"])
+    bnm, BNS = T["mid_bn"], T["mid_bns"]
+    NG, NL, NS = triton_cdiv(E, bnm), LAT // BNL, triton_cdiv(SI, BNS)
+    KL = min(K, bnm)  # router candidates per block and row
+    UNR1 = _unr(LAT, T["x1_unr"])
+    X1S = _split(LAT // (32 * UNR1), T["x1_split"]) if DMAX * NCH < T["x1_fill"] else 1
+    sc = _scratch("k2", key, dev, (S, H, P, E, LAT, SI, RI, UPN, ar["CHP"], NG, X1S), rank, lambda: dict(
         part=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         x=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         tapd=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
+        **_ares_scratch(S, H, NB, T["mid_hc"], dev),
         logits=torch.empty(S, E, dtype=torch.float32, device=dev),
+        cand=torch.empty(S, NG * KL, dtype=torch.int64, device=dev),
+        csig=torch.empty(S, NG * KL, dtype=torch.float32, device=dev),
         lat=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),
-        latq=torch.empty(S, LAT, dtype=torch.float16 if fmt == "mxfp4" else torch.bfloat16, device=dev),
+        latq=torch.empty(S, LAT, dtype=torch.float16 if fmt in MX_ACT else torch.bfloat16, device=dev),
         lats=torch.empty(S, LAT // 32, dtype=torch.int32, device=dev),
         h=torch.empty(S, SI, dtype=torch.bfloat16, device=dev),
         ids=torch.empty(S, K, dtype=torch.int32, device=dev),
         tw=torch.empty(S, K, dtype=torch.float32, device=dev),
         elist=torch.zeros(DMAX, dtype=torch.int32, device=dev),
         nd=torch.zeros(1, dtype=torch.int32, device=dev),
-        v=torch.empty(DMAX, S, RI, dtype=torch.float16 if fmt == "mxfp4" else torch.bfloat16, device=dev),
+        v=torch.empty(DMAX, S, RI, dtype=torch.float16 if fmt in MX_ACT else torch.bfloat16, device=dev),
         vs=torch.empty(DMAX, S, RI // 32, dtype=torch.int32, device=dev),
+        x1part=torch.empty(X1S if X1S > 1 else 0, SP, DMAX * 2 * RI, dtype=torch.float32, device=dev),
         contrib=torch.empty(S, K, LAT, dtype=torch.bfloat16, device=dev),
         y=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),
         fin=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
-        tapln=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),
-        ctr=torch.zeros(8, dtype=torch.int32, device=dev),
+        ln=torch.empty(S, LAT, dtype=torch.bfloat16, device=dev),
+        ctr=torch.zeros(8 + 2 * S, dtype=torch.int32, device=dev),
+        ctr_up=torch.zeros(8 + 2 * S, dtype=torch.int32, device=dev),
         ctr_lb=torch.zeros(LAT // 16, dtype=torch.int32, device=dev),  # any BL >= 16
+        ctr_x1=torch.zeros(DMAX * NCH, dtype=torch.int32, device=dev),
         kpart=torch.empty(16, SP, max(H, E + LAT + 2 * SI), dtype=torch.float32, device=dev),  # K-split partials
         ctr_n=torch.zeros(triton_cdiv(H, 16), dtype=torch.int32, device=dev),
         ctr_u=torch.zeros(triton_cdiv(UPN, 16), dtype=torch.int32, device=dev),
@@ -247,30 +269,28 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     # reduction 1 (rank-order fp32); delta = bf16(sum) inside the next launch
     d32 = comm.all_reduce(sc["part"], rank).contiguous()
     # L2: prefix update, AttnRes, norm, router + latent-down + shared gate/up GEMVs, top-k
-    NB = key.nblocks
-    BNS = T["mid_bns"]
-    bnm = T["mid_bn"]
-    NG, NL, NS = triton_cdiv(E, bnm), LAT // BNL, triton_cdiv(SI, BNS)
-    bkm = _bk(H, T["k2_bk"])
+    bkm = _bk(H, T["mid_bk"])
     spm = _split(H // bkm, T["mid_split"])
-    _launch(_k2.k2_mid_kernel, (S + (NG + NL + NS) * spm,), sc["ctr"], prefix, H, d32, d32.stride(0), blocks,
-            blocks.stride(0), blocks.stride(1), ares_nw, ares_qk, in_nw, sc["x"], sc["tapd"], w_gate,
-            w_gate.stride(0), sc["logits"], w_ld, w_ld.stride(0), sc["lat"], sc["latq"], sc["lats"], w_sgu,
-            w_sgu.stride(0), sc["h"], bias, sc["ids"], sc["tw"], sc["elist"], sc["nd"], sc["kpart"], sc["ctr_m"], S, H,
-            E, LAT, SI, NG, NL, NS, key.eps, key.out_eps, NB=NB, NBP=_p2(NB + 1), BH=min(T["attn_bh"], _p2(H)),
-            ADD=3 if key.reset else 2, BN=bnm, BNL=BNL, BNS=BNS, BK=bkm, SP=SP, K=K, KP=_p2(K), EP=_p2(E), TP=_p2(S),
-            FMT=FMT_CODE[fmt], BETA=key.situ_beta, LBETA=key.situ_linear_beta, SPLIT=spm, STAG=T["stag"],
-            SWAP=T["k2_swap"], TAPS=tp, num_warps=T["mid_warps"], num_stages=T["k2_stages"])
+    _launch(_k2.k2_mid_kernel, (3 * S * ar["CH"] + (NG + NL + NS) * spm,), sc["ctr"], prefix, H, d32, d32.stride(0),
+            blocks, blocks.stride(0), blocks.stride(1), ares_nw, ares_qk, in_nw, sc["x"], sc["tapd"], sc["apart"],
+            sc["mix"], sc["msq"], w_gate, w_gate.stride(0), sc["logits"], sc["cand"], sc["csig"], w_ld, w_ld.stride(0), sc["lat"],
+            sc["latq"], sc["lats"], w_sgu, w_sgu.stride(0), sc["h"], bias, sc["ids"], sc["tw"], sc["elist"], sc["nd"],
+            sc["kpart"], sc["ctr_m"], S, H, ar["HC"], ar["CH"], E, LAT, SI, NG, NL, NS, key.eps, key.out_eps,
+            T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"], BHC=ar["BHC"], ADD=3 if key.reset else 2, BN=bnm,
+            BNL=BNL, BNS=BNS, BK=bkm, SP=SP, K=K, KP=_p2(K), KL=KL, CP=_p2(NG * KL), TP=_p2(S), FMT=FMT_CODE[fmt],
+            BETA=key.situ_beta, LBETA=key.situ_linear_beta, SPLIT=spm, STAG=T["stag"], SWAP=T["mid_swap"], TAPS=tp,
+            num_warps=T["mid_warps"], num_stages=T["mid_stages"])
     # L3: routed gemm1 + SiTU (+ v quantization), shared down -> fin
     f = FMT_CODE[fmt]
+    row = fmt == "mxfp4" and S == 1  # one token row: FMA dot products (_k2._xrow) may replace the MMAs
     act = sc["lat"] if fmt == "bf16" else sc["latq"]  # perm32 order for the quantized formats
     w13s_ = w13s if packed else w13
     bsd = T["sd_bn"]
-    _launch(_k2.k2_exp1_kernel, (DMAX * NCH + triton_cdiv(H, bsd),), sc["elist"], sc["nd"], act, sc["lats"], w13, w13s_,
-            w13.stride(0), w13.stride(1), w13s_.stride(0), w13s_.stride(1), sc["v"], sc["vs"], sc["h"], w_sd,
-            w_sd.stride(0), sc["fin"], S, LAT, RI, H, SI, NCH, DMAX, FMT=f, BR=BR, SP=SP,
-            UNR=_unr(LAT, T["x1_unr"]), BN=bsd, BK=_bk(SI, T["sd_bk"]), BETA=key.situ_beta,
-            LBETA=key.situ_linear_beta, STAG=T["stag"], SWAP=T["x_swap"], num_warps=T["x1_warps"],
+    _launch(_k2.k2_exp1_kernel, (DMAX * NCH * X1S + triton_cdiv(H, bsd),), sc["elist"], sc["nd"], act, sc["lats"],
+            w13, w13s_, w13.stride(0), w13.stride(1), w13s_.stride(0), w13s_.stride(1), sc["v"], sc["vs"], sc["h"],
+            w_sd, w_sd.stride(0), sc["fin"], sc["x1part"], sc["ctr_x1"], S, LAT, RI, H, SI, NCH, DMAX, FMT=f, BR=BR,
+            SP=SP, UNR=UNR1, X1S=X1S, BN=bsd, BK=_bk(SI, T["sd_bk"]), BETA=key.situ_beta, LBETA=key.situ_linear_beta,
+            STAG=T["stag"], SWAP=T["x1_swap"], ROW=row and T["x1_row"], SLOAD=T["x1_sload"], num_warps=T["x1_warps"],
             num_stages=T["x1_stages"])
     if tp:
         sh_tap = sc["fin"].clone()
@@ -279,22 +299,23 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_exp2_kernel, (NLB * DMAX,), sc["elist"], sc["nd"], sc["ids"], sc["tw"], sc["v"], sc["vs"], w2,
             w2s_, w2.stride(0), w2.stride(1), w2s_.stride(0), w2s_.stride(1), sc["contrib"], sc["y"], sc["ctr_lb"],
             S, LAT, RI, DMAX, FMT=f, BL=BL, SP=SP, UNR=_unr(RI, T["x2_unr"]), K=K, KP=_p2(K), STAG=T["stag"],
-            SWAP=T["x_swap"], num_warps=T["x2_warps"], num_stages=T["x2_stages"])
+            SWAP=T["x2_swap"], ROW=row and T["x2_row"], SLOAD=T["x2_sload"], num_warps=T["x2_warps"], num_stages=T["x2_stages"])
     # reduction 2; Ls = bf16(sum) inside the next launch
     ls32 = comm.all_reduce(sc["y"], rank).contiguous()
     # L5: latent norm + this rank's up-projection columns
     bup = T["up_bn"]
     bku = _bk(LAT, T["up_bk"])
     spu = _split(LAT // bku, T["up_split"])
-    _launch(_k2.k2_up_kernel, (triton_cdiv(UPN, bup) * spu,), ls32, ln_w, w_up, w_up.stride(0), sc["fin"], sc["tapln"],
-            sc["kpart"], sc["ctr_u"], S, LAT, H, UPN, rank * UPN, key.ln_eps, BN=bup, BK=bku, SP=SP, SPLIT=spu,
-            STAG=T["stag"], SWAP=T["k2_swap"], TAPS=tp, num_warps=T["up_warps"], num_stages=T["k2_stages"])
+    _launch(_k2.k2_up_kernel, (S + triton_cdiv(UPN, bup) * spu,), sc["ctr_up"], ls32, ln_w, sc["ln"], w_up,
+            w_up.stride(0), sc["fin"], sc["kpart"], sc["ctr_u"], S, LAT, H, UPN, rank * UPN, key.ln_eps, T["spin"],
+            BN=bup, BK=bku, SP=SP, LATP=_p2(LAT), SPLIT=spu, STAG=T["stag"], SWAP=T["up_swap"], TP=_p2(S),
+            num_warps=T["up_warps"], num_stages=T["k2_stages"])
     # reduction 3; out = bf16(sum) (the copy is the rounding)
     out.copy_(comm.all_reduce(sc["fin"], rank))
     if tp:
         taps.update(delta=sc["tapd"].clone(), x=sc["x"].clone(), logits=sc["logits"].clone(),
                     topk_ids=sc["ids"].clone(), topk_w=sc["tw"].clone(), lat=sc["lat"].clone(), sh=sh_tap,
-                    y=sc["y"].clone(), ln=sc["tapln"].clone(), fin=sc["fin"].clone())
+                    y=sc["y"].clone(), ln=sc["ln"].clone(), fin=sc["fin"].clone())
 
 
 def _unr(kd: int, want: int) -> int:
@@ -304,6 +325,45 @@ def _unr(kd: int, want: int) -> int:
     while nb % u:
         u //= 2
     return u
+
+
+# Counters of the in-kernel handshakes, per scratch tag: (name, launch in words, ticketed: ctr[3] is
+# its spin-overflow flag). Every one is back at 0 after a completed launch.
+_COUNTERS = {
+    "k1": (("ctr", "k1 attnres+in_proj", True), ("ctr_rec", "k1 conv+recurrence (gated-norm handshake)", False),
+           ("ctr_n", "k1 in_proj (K-split handshake)", False)),
+    "k2": (("ctr", "k2 attnres+router/latent/shared", True), ("ctr_up", "k2 latent norm+up_proj", True),
+           ("ctr_m", "k2 router/latent/shared (K-split handshake)", False),
+           ("ctr_n", "k2 o_proj (K-split handshake)", False), ("ctr_u", "k2 up_proj (K-split handshake)", False),
+           ("ctr_x1", "k2 routed gemm1 (K-split handshake)", False),
+           ("ctr_lb", "k2 routed gemm2 (pick-order sum handshake)", False)),
+}
+
+
+def health() -> list[str]:
+    """Problems the kernels flagged since the last call, one line each ([] = healthy): a ticket
+    wait that gave up (spin budget exhausted: the launch then computed on rows nobody had
+    written), or a handshake counter left non-zero (a launch that did not complete). Reads the
+    counters of every build (one device sync) and clears them."""
+    items = [(k, name, what, tick, sc[name]) for k, sc in _SCRATCH.items() for name, what, tick in _COUNTERS[k[0]]
+             if name in sc]
+    if not items:
+        return []
+    with _LOCK:
+        vals = [t.tolist() for t in torch.cat([it[4].flatten() for it in items]).cpu().split(
+            [it[4].numel() for it in items])]
+        for it in items:
+            it[4].zero_()
+    out = []
+    for (k, name, what, tick, _), v in zip(items, vals):
+        where = f"on device {k[2]}" + (f" (rank {k[4]})" if k[0] == "k2" else "")
+        if tick and v[3]:
+            out.append(f"{what}: ticket wait timed out (spin budget exhausted) in {v[3]} program(s) {where}")
+        left = [i for i, x in enumerate(v) if x and not (tick and i == 3)]
+        if left:
+            out.append(f"{what}: handshake counters not reset after the launch ({name}[{left[0]}] = {v[left[0]]}"
+                       f"{f' and {len(left) - 1} more' if len(left) > 1 else ''}) {where}")
+    return out
 
 
 def debug_state(key, dev, rank=0) -> dict:

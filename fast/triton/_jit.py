@@ -15,15 +15,15 @@ SPIN_LIMIT = tl.constexpr(1 << 22)
 
 
 @triton.jit
-def wait_rows(ctr_ptr, S):
-    """Spin until the S AttnRes rows of this launch are published (ctr[1] == S). Only
-    programs with earlier tickets publish, so the wait ends; past SPIN_LIMIT it gives up
-    and raises the overflow flag ctr[3]."""
+def wait_ge(cnt_ptr, target, spin, flag_ptr):
+    """Spin (acquire) until *cnt_ptr >= target: a count that only programs with earlier tickets
+    raise, so the wait ends on any GPU and in the interpreter (programs in order). After `spin`
+    polls it gives up and raises the overflow flag *flag_ptr (read by the backend's health())."""
     spins = 0
-    while (tl.atomic_add(ctr_ptr + 1, 0, sem="acquire", scope="gpu") < S) & (spins < SPIN_LIMIT):
+    while (tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target) & (spins < spin):
         spins += 1
-    if spins >= SPIN_LIMIT:
-        tl.atomic_add(ctr_ptr + 3, 1, sem="relaxed", scope="gpu")
+    if tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target:
+        tl.atomic_add(flag_ptr, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
 
 
@@ -151,6 +151,46 @@ def mx_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def mx8_code(amax):
+    """E8M0 code of an MXFP8 (E4M3) block (OCP MX: floor(log2(amax)) - 8, clamped to [0, 254]),
+    read off amax's fp32 exponent field as ref.quant.mx8_scale_code does."""
+    ef = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(ef - 8, 0), 254)
+
+
+@triton.jit
+def e4m3_round(y):
+    """Nearest FP8 E4M3 (fn) value of fp32 y, ties to even, saturating at ±448. The quantum
+    2^(max(e, -6) - 3) is a power of two, so y/quantum is exact and rounds to an integer by the
+    2^23 trick (round-to-nearest-even of the fp32 add); every step is exact but that one."""
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    qe = tl.maximum(e, -6) - 3
+    t = a * pow2(-qe)
+    r = ((t + 8388608.0) - 8388608.0) * pow2(qe)
+    r = tl.minimum(r, 448.0)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def mx8_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
+    """MXFP8 (E4M3, E8M0 per 32) fake-quant of v [SP, BN] -> (E4M3 values [SP, BN] fp32 with the
+    scale taken out, scale codes [SP, BN/32] int32); ref.quant.mx8_fake_quant."""
+    G: tl.constexpr = BN // 32
+    grp = tl.arange(0, BN) // 32
+    rg = tl.arange(0, G)
+    av = tl.abs(v)
+    inv = tl.zeros((SP, BN), dtype=tl.float32)
+    codes = tl.zeros((SP, G), dtype=tl.int32)
+    for g in tl.static_range(G):
+        code = mx8_code(tl.max(tl.where((grp == g)[None, :], av, 0.0), axis=1))  # [SP]
+        # 2^(127-code), an exact power of two (code <= 246 for any fp32 amax)
+        inv = tl.where((grp == g)[None, :], ((254 - code) << 23).to(tl.float32, bitcast=True)[:, None], inv)
+        codes = tl.where((rg == g)[None, :], code[:, None], codes)
+    return e4m3_round(v * inv), codes
+
+
+@triton.jit
 def perm32(c):
     """Column c -> its place when every 32-block stores its even elements, then its odd ones
     (the layout the nibble-plane MMAs read with contiguous 32-byte loads)."""
@@ -215,75 +255,141 @@ def splitk(acc, part_ptr, pitch, ctr_ptr, nb, ks, S, N, n0, BN: tl.constexpr, SP
         return last, tot
 
 
+# AttnRes in three ticketed phases over CH column chunks of each token row (chunk c: columns
+# [c·HC, (c+1)·HC)). Phase programs of a row meet through counters cnt[t]; every wait is on
+# programs with earlier tickets. Scratch: apart [S, CHP, 2·NBP] (per chunk Σ v·c and Σ v² of
+# each source), mix [S, H] fp32 (the mixed row, never rounded), msq [S, CHP] (Σ mixed² per chunk).
+
 @triton.jit
-def attnres_row(t, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr, sx,
-                tapd_ptr, H, eps, out_eps,
-                NB: tl.constexpr, NBP: tl.constexpr, BH: tl.constexpr, ADD: tl.constexpr,
-                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr):
-    """One token row: carry update, AttnRes over blocks[t, :NB] + prefix, RMSNorm -> x[t] (bf16).
+def ares_carry(t, c, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr, H, HC,
+               CH, NB: tl.constexpr, NBP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
+               WRITE_IDX: tl.constexpr, TAPS: tl.constexpr):
+    """Phase A, chunk c of row t: the carry update, then per source the partial Σ v·c and Σ v².
 
     ADD 0: prefix as is; 1: prefix = bf16(prefix + delta) (K1); 2: prefix = bf16(prefix +
     bf16(d32)) (K2); 3: prefix = bf16(d32) (K2 block-write reset). WRITE_IDX >= 0 copies the
-    new prefix into blocks[t, WRITE_IDX]. The sources are read back after a barrier.
-    """
-    rh = tl.arange(0, BH)
-    if ADD != 0 or WRITE_IDX >= 0:
-        for h0 in range(0, H, BH):
-            hm = h0 + rh < H
-            p = tl.load(prefix_ptr + t * sp + h0 + rh, mask=hm, other=0.0)
-            if ADD == 1:
-                d = tl.load(add_ptr + t * sa + h0 + rh, mask=hm, other=0.0)
-                pre = bf16(p.to(tl.float32) + d.to(tl.float32))
-            elif ADD == 2:
-                d = bf16(tl.load(add_ptr + t * sa + h0 + rh, mask=hm, other=0.0))
-                pre = bf16(p.to(tl.float32) + d.to(tl.float32))
-                if TAPS:
-                    tl.store(tapd_ptr + t * H + h0 + rh, d, mask=hm)
-            elif ADD == 3:
-                pre = bf16(tl.load(add_ptr + t * sa + h0 + rh, mask=hm, other=0.0))
-                if TAPS:
-                    tl.store(tapd_ptr + t * H + h0 + rh, pre, mask=hm)
-            else:
-                pre = p
-            if ADD != 0:
-                tl.store(prefix_ptr + t * sp + h0 + rh, pre, mask=hm)
-            if WRITE_IDX >= 0:
-                tl.store(blocks_ptr + t * sbt + WRITE_IDX * sbb + h0 + rh, pre, mask=hm)
-        tl.debug_barrier()
+    new prefix into blocks[t, WRITE_IDX] (and that bank row reads as the new prefix)."""
+    rh = c * HC + tl.arange(0, BHC)
+    hm = (tl.arange(0, BHC) < HC) & (rh < H)
+    p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
+    if ADD == 1:
+        d = tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0)
+        pre = bf16(p.to(tl.float32) + d.to(tl.float32))
+    elif ADD == 2:
+        d = bf16(tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0))
+        pre = bf16(p.to(tl.float32) + d.to(tl.float32))
+        if TAPS:
+            tl.store(tapd_ptr + t * H + rh, d, mask=hm)
+    elif ADD == 3:
+        pre = bf16(tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0))
+        if TAPS:
+            tl.store(tapd_ptr + t * H + rh, pre, mask=hm)
+    else:
+        pre = p
+    if ADD != 0:
+        tl.store(prefix_ptr + t * sp + rh, pre, mask=hm)
+    if WRITE_IDX >= 0:
+        tl.store(blocks_ptr + t * sbt + WRITE_IDX * sbb + rh, pre, mask=hm)
     rs = tl.arange(0, NBP)
-    isb = rs < NB
-    dot = tl.zeros((NBP,), dtype=tl.float32)
-    sq = tl.zeros((NBP,), dtype=tl.float32)
-    for h0 in range(0, H, BH):
-        hm = h0 + rh < H
-        c = tl.load(nw_ptr + h0 + rh, mask=hm, other=0.0).to(tl.float32) * \
-            tl.load(qk_ptr + h0 + rh, mask=hm, other=0.0).to(tl.float32)
-        v = _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB)
-        dot += tl.sum(v * c[None, :], axis=1)
-        sq += tl.sum(v * v, axis=1)
+    v = _sources(t, rh, hm, rs, pre.to(tl.float32), blocks_ptr, sbt, sbb, NB, WRITE_IDX)
+    cw = tl.load(nw_ptr + rh, mask=hm, other=0.0).to(tl.float32) * tl.load(qk_ptr + rh, mask=hm, other=0.0).to(
+        tl.float32)
+    base = apart_ptr + (t * CH + c) * (2 * NBP)
+    tl.store(base + rs, tl.sum(v * cw[None, :], axis=1))
+    tl.store(base + NBP + rs, tl.sum(v * v, axis=1))
+
+
+@triton.jit
+def ares_mix(t, c, prefix_ptr, sp, blocks_ptr, sbt, sbb, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
+             NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, WRITE_IDX: tl.constexpr):
+    """Phase B, chunk c of row t (after the row's phase A): logits from the chunk partials (summed
+    in chunk order), softmax, the mixed chunk Σ p_s·v_s (fp32, stored), its partial Σ mixed²."""
+    rs = tl.arange(0, NBP)
+    rc = tl.arange(0, CHP)
+    pm = (rc < CH)[:, None]
+    pb = apart_ptr + t * CH * (2 * NBP) + rc[:, None] * (2 * NBP) + rs[None, :]
+    dot = tl.sum(tl.load(pb, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
+    sq = tl.sum(tl.load(pb + NBP, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
     logit = dot * rsqrt(sq / H + eps)
     logit = tl.where(rs <= NB, logit, float("-inf"))
     ex = tl.exp(logit - tl.max(logit, axis=0))
     p = ex / tl.sum(ex, axis=0)
-    msq = tl.zeros((BH,), dtype=tl.float32)
-    for h0 in range(0, H, BH):
-        hm = h0 + rh < H
-        v = _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB)
-        mixed = tl.sum(p[:, None] * v, axis=0)
-        msq += mixed * mixed
-    r = rsqrt(tl.sum(msq, axis=0) / H + out_eps)
-    for h0 in range(0, H, BH):
-        hm = h0 + rh < H
-        v = _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB)
-        mixed = tl.sum(p[:, None] * v, axis=0)
-        w = tl.load(inw_ptr + h0 + rh, mask=hm, other=0.0).to(tl.float32)
-        tl.store(x_ptr + t * sx + h0 + rh, bf16(mixed * r * w), mask=hm)
+    rh = c * HC + tl.arange(0, BHC)
+    hm = (tl.arange(0, BHC) < HC) & (rh < H)
+    pre = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
+    v = _sources(t, rh, hm, rs, pre, blocks_ptr, sbt, sbb, NB, WRITE_IDX)
+    mixed = tl.sum(p[:, None] * v, axis=0)
+    tl.store(mix_ptr + t * H + rh, mixed, mask=hm)
+    tl.store(msq_ptr + t * CHP + c, tl.sum(mixed * mixed, axis=0))
 
 
 @triton.jit
-def _sources(t, h0, rh, hm, rs, isb, prefix_ptr, sp, blocks_ptr, sbt, sbb, NB: tl.constexpr):
-    """[NBP, BH] fp32: bank rows 0..NB-1, the prefix as row NB, zeros below."""
-    vb = tl.load(blocks_ptr + t * sbt + rs[:, None] * sbb + (h0 + rh)[None, :],
+def ares_norm(t, c, mix_ptr, msq_ptr, inw_ptr, x_ptr, sx, H, HC, CH, out_eps,
+              CHP: tl.constexpr, BHC: tl.constexpr):
+    """Phase C, chunk c of row t (after the row's phase B): x = bf16(mixed·rsqrt(mean(mixed²) +
+    out_eps)·in_nw), the one rounding of the input norm."""
+    rc = tl.arange(0, CHP)
+    ms = tl.sum(tl.load(msq_ptr + t * CHP + rc, mask=rc < CH, other=0.0, cache_modifier=".cg"), axis=0)
+    r = rsqrt(ms / H + out_eps)
+    rh = c * HC + tl.arange(0, BHC)
+    hm = (tl.arange(0, BHC) < HC) & (rh < H)
+    mixed = tl.load(mix_ptr + t * H + rh, mask=hm, other=0.0, cache_modifier=".cg")
+    w = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32)
+    tl.store(x_ptr + t * sx + rh, bf16(mixed * r * w), mask=hm)
+
+
+@triton.jit
+def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
+                inw_ptr, x_ptr, tapd_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps,
+                NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
+                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr):
+    """The AttnRes role of tickets [0, 3·S·CH): A, B, C phases (see above) of (row, chunk)
+    ticket % (S·CH). ctr: [.., 1 x chunks ready, .., 3 spin overflow, .., 8+t phase A of row t,
+    8+S+t phase B of row t]. Phase C publishes its x chunk into ctr[1] (release)."""
+    NA = S * CH
+    ph = ticket // NA
+    j = ticket % NA
+    t = j // CH
+    c = j % CH
+    if ph == 0:
+        ares_carry(t, c, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr,
+                   H, HC, CH, NB, NBP, BHC, ADD, WRITE_IDX, TAPS)
+        tl.debug_barrier()
+        tl.atomic_add(ctr_ptr + 8 + t, 1, sem="release", scope="gpu")
+    elif ph == 1:
+        wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3)
+        ares_mix(t, c, prefix_ptr, sp, blocks_ptr, sbt, sbb, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
+                 NB, NBP, CHP, BHC, WRITE_IDX)
+        tl.debug_barrier()
+        tl.atomic_add(ctr_ptr + 8 + S + t, 1, sem="release", scope="gpu")
+    else:
+        wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3)
+        ares_norm(t, c, mix_ptr, msq_ptr, inw_ptr, x_ptr, H, H, HC, CH, out_eps, CHP, BHC)
+        tl.debug_barrier()
+        tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def ticket_done(ctr_ptr, total, S, TP: tl.constexpr):
+    """Count this program done; the last of `total` resets the launch's counters (ticket, x
+    chunks ready, done, router blocks, the per-row phase counts) for the next launch."""
+    tl.debug_barrier()
+    if tl.atomic_add(ctr_ptr + 2, 1, sem="acq_rel", scope="gpu") == total - 1:
+        tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctr_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctr_ptr + 4, 0, sem="relaxed", scope="gpu")
+        rt = tl.arange(0, 2 * TP)
+        tl.store(ctr_ptr + 8 + rt, tl.zeros((2 * TP,), dtype=tl.int32), mask=rt < 2 * S)
+        tl.debug_barrier()
+        tl.atomic_xchg(ctr_ptr + 2, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _sources(t, rh, hm, rs, pre, blocks_ptr, sbt, sbb, NB: tl.constexpr, WRITE_IDX: tl.constexpr):
+    """[NBP, BHC] fp32: bank rows 0..NB-1 (row WRITE_IDX reads as the new prefix), the prefix
+    `pre` (fp32 values) as row NB, zeros below."""
+    isb = (rs < NB) & (rs != WRITE_IDX)
+    vb = tl.load(blocks_ptr + t * sbt + rs[:, None] * sbb + rh[None, :],
                  mask=isb[:, None] & hm[None, :], other=0.0).to(tl.float32)
-    vp = tl.load(prefix_ptr + t * sp + h0 + rh, mask=hm, other=0.0).to(tl.float32)
-    return tl.where(isb[:, None], vb, tl.where((rs == NB)[:, None], vp[None, :], 0.0))
+    isp = (rs == NB) | ((rs == WRITE_IDX) & (rs < NB))
+    return tl.where(isb[:, None], vb, tl.where(isp[:, None], pre[None, :], 0.0))

@@ -1,22 +1,14 @@
-"""K1 (KDA pre-attention) kernels. Launches: [attnres + in_proj] (one launch, or two when
-not merged), then the conv/gates/recurrence/gated-norm launch. docs/triton.md has the plan."""
+"""K1 (KDA pre-attention) kernels. Launches: [attnres + in_proj] (one ticketed launch), then
+the conv/gates/recurrence/gated-norm launch. docs/triton.md has the plan."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._jit import attnres_row, bf16, gemv, mma, rsqrt, sigmoid, splitk, wait_rows
+from ._jit import ares_phases, bf16, gemv, mma, rsqrt, sigmoid, splitk, ticket_done, wait_ge
 
-# ctr layout of a ticketed launch: [ticket, rows ready, programs done, spin overflow]
-
-
-@triton.jit
-def k1_attnres_kernel(prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr,
-                      H, eps, out_eps, NB: tl.constexpr, NBP: tl.constexpr, BH: tl.constexpr,
-                      ADD: tl.constexpr, WRITE_IDX: tl.constexpr):
-    """Grid (S,): steps 1-3 for token row program_id(0)."""
-    attnres_row(tl.program_id(0), prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr,
-                x_ptr, H, x_ptr, H, eps, out_eps, NB, NBP, BH, ADD, WRITE_IDX, False)
+# ctr layout of a ticketed launch: [ticket, x chunks ready, programs done, spin overflow, router blocks done
+# (K2), -, -, -, phase-A count per row (S), phase-B count per row (S)]
 
 
 @triton.jit
@@ -40,30 +32,30 @@ def gemv_kernel(x_ptr, sx, S, w_ptr, sw, out_ptr, so, N, K, part_ptr, ctr_ptr, B
 
 @triton.jit
 def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr,
-                  w_ptr, sw, proj_ptr, part_ptr, ctrn_ptr, S, H, NP, eps, out_eps,
-                  NB: tl.constexpr, NBP: tl.constexpr, BH: tl.constexpr, ADD: tl.constexpr,
-                  WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
-                  SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr):
-    """Grid (S + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
+                  apart_ptr, mix_ptr, msq_ptr, w_ptr, sw, proj_ptr, part_ptr, ctrn_ptr, S, H, HC, CH, NP, eps, out_eps,
+                  spin, NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr,
+                  ADD: tl.constexpr, WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
+                  SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr):
+    """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
-    Programs take a ticket (their start order): tickets < S compute x rows, the rest wait
-    for all S rows, then stream their in_proj rows (one K split of one row block). A
-    waiting program only waits on programs that started before it, so the wait always
-    ends (also on ROCm, also in the interpreter, which runs programs in order). The last
-    program resets the counters.
+    Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
+    (row, column chunk) (_jit.ares_phases); the others wait until all S·CH x chunks are
+    published, then stream one K split of one in_proj row block. Every wait is on programs
+    with earlier tickets, so it ends (also on ROCm, also in the interpreter, which runs
+    programs in order). The last program resets the counters.
     """
     ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket < S:
-        attnres_row(ticket, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr,
-                    x_ptr, H, x_ptr, H, eps, out_eps, NB, NBP, BH, ADD, WRITE_IDX, False)
-        tl.debug_barrier()
-        tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
+    NA3 = 3 * S * CH
+    if ticket < NA3:
+        ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
+                    inw_ptr, x_ptr, x_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps, NB, NBP, CHP, BHC,
+                    ADD, WRITE_IDX, False)
     else:
-        u = ticket - S
+        u = ticket - NA3
         nb = u // SPLIT
         ks = u % SPLIT
         n0 = nb * BN
-        wait_rows(ctr_ptr, S)
+        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3)
         nk = H // BK // SPLIT
         acc = gemv(x_ptr, H, S, w_ptr, sw, n0, NP, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True, SWAP)
         last, tot = splitk(acc, part_ptr, NP, ctrn_ptr, nb, ks, S, NP, n0, BN, SP, SPLIT)
@@ -72,12 +64,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
             rn = n0 + tl.arange(0, BN)
             tl.store(proj_ptr + rs[:, None] * NP + rn[None, :], bf16(tot),
                      mask=(rs[:, None] < S) & (rn[None, :] < NP))
-    tl.debug_barrier()
-    total = S + tl.cdiv(NP, BN) * SPLIT
-    if tl.atomic_add(ctr_ptr + 2, 1, sem="acq_rel", scope="gpu") == total - 1:
-        tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctr_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctr_ptr + 2, 0, sem="relaxed", scope="gpu")
+    ticket_done(ctr_ptr, NA3 + tl.cdiv(NP, BN) * SPLIT, S, TP)
 
 
 @triton.jit
@@ -92,7 +79,8 @@ def _seq(POS: tl.constexpr, W: tl.constexpr, c, csb, csc, csp, a, proj_ptr, spj,
 
 @triton.jit
 def _conv_y(j: tl.constexpr, W: tl.constexpr, c, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0):
-    """bf16(silu(Σ_q conv_w[c, q]·seq[j+q])) as fp32 values."""
+    """bf16(silu(Σ_q conv_w[c, q]·seq[j+q])) as fp32 values. Each product rounds to fp32 (inexact for an
+    fp32 conv_w), then the sum in q order: the launch is compiled without FMA contraction."""
     y = tl.zeros(c.shape, dtype=tl.float32)
     for q in tl.static_range(W):
         y += tl.load(cw_ptr + c * scw + q).to(tl.float32) * _seq(j + q, W, c, csb, csc, csp, a, proj_ptr, spj, row0)

@@ -7,103 +7,120 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import (attnres_row, bf16, e2m1_f16x2, e8m0, gemv, int4_bf16x2, mma, mx_quant_rows, perm32, pow2,
-                   rsqrt, sigmoid, situ, splitk, wait_rows)
+from ._jit import (ares_phases, bf16, e2m1_f16x2, e8m0, gemv, int4_bf16x2, mma, mx8_quant_rows, mx_quant_rows,
+                   perm32, pow2, rsqrt, sigmoid, situ, splitk, ticket_done, wait_ge)
 
 
 @triton.jit
-def _topk(logits_ptr, bias_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E,
-          K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, TP: tl.constexpr):
-    """Router selection for all S rows (DESIGN §5 K2.4) and the sorted list of distinct picks.
-
-    Each round takes the largest key (NaN ranks as -inf, as in the reference), the lowest
-    id among equal keys; weights are σ / Σσ with the sum in pick order, NaN σ as 0.
-    Rows go in groups of at most 4 to bound registers.
-    """
-    TG: tl.constexpr = 4 if TP > 4 else TP
-    re = tl.arange(0, EP)
-    pe = tl.zeros((EP,), dtype=tl.int32)
-    for g in tl.static_range(TP // TG):
-        pe = tl.maximum(pe, _topk_rows(g * TG, logits_ptr, bias_ptr, ids_ptr, tw_ptr, S, E, K, KP, EP, TG))
-    pos = tl.cumsum(pe, axis=0) - 1
-    tl.store(elist_ptr + pos, re, mask=pe > 0)
-    tl.store(nd_ptr, tl.sum(pe, axis=0))
-
-
-@triton.jit
-def _topk_rows(t0, logits_ptr, bias_ptr, ids_ptr, tw_ptr, S, E, K: tl.constexpr, KP: tl.constexpr,
-               EP: tl.constexpr, TG: tl.constexpr):
-    """Top-k of rows t0..t0+TG-1; returns the [EP] mask of experts they picked."""
-    rt = t0 + tl.arange(0, TG)
-    re = tl.arange(0, EP)
-    rk = tl.arange(0, KP)
-    m2 = (rt < S)[:, None] & (re < E)[None, :]
-    lg = tl.load(logits_ptr + rt[:, None] * E + re[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+def _packed_keys(lg, rng, rs, S, E, bias_ptr):
+    """Router keys of logits lg [R, C] (rows rs, experts rng) packed in one int64 that orders
+    like (key, -id): key = σ + bias (-0 as +0) mapped to an order-preserving unsigned image,
+    NaN just above -1, the empty slots (rows >= S, experts >= E) -1. Also σ (NaN and empty
+    slots as 0)."""
+    m2 = (rs < S)[:, None] & (rng < E)[None, :]
     sig = sigmoid(lg)
-    key = sig + tl.load(bias_ptr + re, mask=re < E, other=0.0)[None, :]
+    key = sig + tl.load(bias_ptr + rng, mask=rng < E, other=0.0)[None, :]
     key = tl.where(key == 0.0, 0.0, key)  # -0 ties with +0
-    # order-preserving unsigned image of the key (NaN as -inf), then (key, -id) in one int64
     bits = key.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     srt = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
-    srt = tl.where(key != key, 0x7FFFFF, srt)
-    pk = tl.where(m2, srt * 0x80000000 + (E - 1 - re)[None, :], -1)
-    sig0 = tl.where(sig != sig, 0.0, sig)
-    ids = tl.zeros((TG, KP), dtype=tl.int32)
-    sk = tl.zeros((TG, KP), dtype=tl.float32)
-    tot = tl.zeros((TG,), dtype=tl.float32)
+    srt = tl.where(key != key, 0x7FFFFF, srt)  # NaN ranks below every number
+    pk = tl.where(m2, srt * 0x80000000 + (E - 1 - rng)[None, :], -1)
+    return pk, tl.where(m2 & (sig == sig), sig, 0.0)
+
+
+@triton.jit
+def _topk_local(tot, rng, S, E, bias_ptr, cand_ptr, csig_ptr, col0, NGKL, KL: tl.constexpr, SP: tl.constexpr):
+    """The KL best packed keys of one router block per row -> cand[t, col0 : col0+KL] (largest
+    first), their σ -> csig (the packed key names one expert, so the match is unique)."""
+    rs = tl.arange(0, SP)
+    pk, sig = _packed_keys(tot, rng, rs, S, E, bias_ptr)
+    for k in tl.static_range(KL):
+        mx = tl.max(pk, axis=1)
+        hit = pk == mx[:, None]
+        tl.store(cand_ptr + rs * NGKL + col0 + k, mx, mask=rs < S)
+        tl.store(csig_ptr + rs * NGKL + col0 + k, tl.sum(tl.where(hit, sig, 0.0), axis=1), mask=rs < S)
+        pk = tl.where(hit, -1, pk)
+
+
+@triton.jit
+def _topk_merge(cand_ptr, csig_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, NGKL,
+                K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr):
+    """Top-k of every row from the router blocks' candidates (the union of per-block top-k holds
+    the row's top-k), DESIGN §5 K2.4: each round the largest key, the lowest id among equal
+    keys; w = σ / Σσ with the sum in pick order (NaN σ as 0). Then the distinct picks as an
+    ascending list elist[0:nd] and their count nd."""
+    rt = tl.arange(0, TP)
+    rc = tl.arange(0, CP)
+    rk = tl.arange(0, KP)
+    rm = rt < S
+    cm = rm[:, None] & (rc < NGKL)[None, :]
+    pk = tl.load(cand_ptr + rt[:, None] * NGKL + rc[None, :], mask=cm, other=-1, cache_modifier=".cg")
+    cs = tl.load(csig_ptr + rt[:, None] * NGKL + rc[None, :], mask=cm, other=0.0, cache_modifier=".cg")
+    ids = tl.zeros((TP, KP), dtype=tl.int32)
+    sk = tl.zeros((TP, KP), dtype=tl.float32)
+    tot = tl.zeros((TP,), dtype=tl.float32)
     for k in tl.static_range(K):
         mx = tl.max(pk, axis=1)
-        hit = (pk == mx[:, None]) & (mx >= 0)[:, None]
-        e = (E - 1 - (mx & 0x7FFFFFFF)).to(tl.int32)
-        s = tl.sum(tl.where(hit, sig0, 0.0), axis=1)
-        tot = tot + s
+        ok = rm & (mx >= 0)
+        e = tl.where(ok, (E - 1 - (mx & 0x7FFFFFFF)).to(tl.int32), 0)
+        hit = (pk == mx[:, None]) & ok[:, None]
+        sg = tl.sum(tl.where(hit, cs, 0.0), axis=1)
+        tot = tot + sg
         ids = tl.where(rk[None, :] == k, e[:, None], ids)
-        sk = tl.where(rk[None, :] == k, s[:, None], sk)
+        sk = tl.where(rk[None, :] == k, sg[:, None], sk)
         pk = tl.where(hit, -1, pk)
-    tot = tl.where(rt < S, tot, 1.0)  # padding rows (never stored) divide by 1
-    w = tl.div_rn(sk, tl.broadcast_to(tot[:, None], (TG, KP)))
-    om = (rt < S)[:, None] & (rk < K)[None, :]
+    tot = tl.where(rm, tot, 1.0)  # padding rows (never stored) divide by 1
+    w = tl.div_rn(sk, tl.broadcast_to(tot[:, None], (TP, KP)))
+    om = rm[:, None] & (rk < K)[None, :]
     tl.store(ids_ptr + rt[:, None] * K + rk[None, :], ids, mask=om)
     tl.store(tw_ptr + rt[:, None] * K + rk[None, :], w, mask=om)
-    return tl.max(((pk == -1) & m2).to(tl.int32), axis=0)
+    # distinct picks: first occurrence of each id, ranked by id
+    N: tl.constexpr = TP * KP
+    fid = tl.reshape(tl.where(om, ids, E), (N,))
+    ri = tl.arange(0, N)
+    same = fid[None, :] == fid[:, None]
+    dup = tl.sum((same & (ri[None, :] < ri[:, None])).to(tl.int32), axis=1) > 0
+    uniq = (fid < E) & (dup == 0)
+    rank = tl.sum(((fid[None, :] < fid[:, None]) & uniq[None, :]).to(tl.int32), axis=1)
+    tl.store(elist_ptr + rank, fid, mask=uniq)
+    tl.store(nd_ptr, tl.sum(uniq.to(tl.int32), axis=0))
 
 
 @triton.jit
 def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr,
-                  tapd_ptr, wg_ptr, swg, logits_ptr, wld_ptr, swl, lat_ptr, latq_ptr, lats_ptr, wsgu_ptr, sws,
-                  h_ptr, bias_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, part_ptr, ctrn_ptr,
-                  S, H, E, LAT, SI, NG, NL, NS, eps, out_eps,
-                  NB: tl.constexpr, NBP: tl.constexpr, BH: tl.constexpr, ADD: tl.constexpr,
+                  tapd_ptr, apart_ptr, mix_ptr, msq_ptr, wg_ptr, swg, logits_ptr, cand_ptr, csig_ptr, wld_ptr, swl, lat_ptr,
+                  latq_ptr, lats_ptr, wsgu_ptr, sws, h_ptr, bias_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, part_ptr,
+                  ctrn_ptr, S, H, HC, CH, E, LAT, SI, NG, NL, NS, eps, out_eps, spin,
+                  NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
                   BN: tl.constexpr, BNL: tl.constexpr, BNS: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, TP: tl.constexpr, FMT: tl.constexpr,
-                  BETA: tl.constexpr, LBETA: tl.constexpr, SPLIT: tl.constexpr, STAG: tl.constexpr,
-                  SWAP: tl.constexpr, TAPS: tl.constexpr):
-    """Grid (S + (NG + NL + NS)·SPLIT,): steps 2-5 and the shared gate/up of step 6, one launch.
+                  K: tl.constexpr, KP: tl.constexpr, KL: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr,
+                  FMT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, SPLIT: tl.constexpr,
+                  STAG: tl.constexpr, SWAP: tl.constexpr, TAPS: tl.constexpr):
+    """Grid (3·S·CH + (NG + NL + NS)·SPLIT,): steps 2-5 and the shared gate/up of step 6, one launch.
 
-    Tickets (start order) < S: prefix update + AttnRes + norm of one row. Others wait for
-    the S rows (see k1_mid_kernel for why the wait ends), then stream one K split of one
-    row block: router rows (the block's last split stores the logits; the last router
-    block runs the top-k), latent-down rows, or paired shared gate/up rows producing
-    h = bf16(SiTU(g, u)). For quantized experts the latent-down rows also write the
-    routed GEMM's activation in perm32 order (latq): MXFP4 E2M1 values + codes (lats)
-    for mxfp4, the bf16 values for int4. part: K-split partials [SPLIT, SP, E+LAT+2SI];
-    ctrn: per row block counters [NG | NL | NS].
-    ctr: [ticket, rows ready, programs done, spin overflow, router blocks done].
+    Tickets < 3·S·CH: the AttnRes phases (prefix update, AttnRes, norm; _jit.ares_phases).
+    Others wait for all x chunks, then stream one K split of one row block: router rows (the
+    block's last split stores the logits and the block's top-KL candidates per row; the last
+    router block merges them into the top-k), latent-down rows, or paired shared gate/up rows
+    producing h = bf16(SiTU(g, u)). For quantized experts the latent-down rows also write the
+    routed GEMM's activation in perm32 order (latq): MXFP4 E2M1 (mxfp4) or E4M3 (a8w4) values
+    as fp16 with their E8M0 codes (lats), the bf16 values for int4.
+    part: K-split partials [SPLIT, SP, E+LAT+2SI]; ctrn: per row block counters [NG | NL | NS].
     """
     ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     rs = tl.arange(0, SP)
     sm = (rs < S)[:, None]
     PW = E + LAT + 2 * SI
-    if ticket < S:
-        attnres_row(ticket, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, inw_ptr, x_ptr, H,
-                    tapd_ptr, H, eps, out_eps, NB, NBP, BH, ADD, -1, TAPS)
-        tl.debug_barrier()
-        tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
+    NA3 = 3 * S * CH
+    if ticket < NA3:
+        ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
+                    inw_ptr, x_ptr, tapd_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps, NB, NBP, CHP,
+                    BHC, ADD, -1, TAPS)
     else:
-        j = ticket - S
+        j = ticket - NA3
         blk = j // SPLIT
         ks = j % SPLIT
-        wait_rows(ctr_ptr, S)
+        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3)
         nk = H // BK // SPLIT
         k_lo = ks * nk * BK
         ko = (ticket * STAG) % nk
@@ -114,11 +131,11 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
             last, tot = splitk(acc, part_ptr, PW, ctrn_ptr, blk, ks, S, E, ng0, BN, SP, SPLIT)
             if last:
                 tl.store(logits_ptr + rs[:, None] * E + rng[None, :], tot, mask=sm & (rng < E)[None, :])
+                _topk_local(tot, rng, S, E, bias_ptr, cand_ptr, csig_ptr, blk * KL, NG * KL, KL, SP)
                 tl.debug_barrier()
                 if tl.atomic_add(ctr_ptr + 4, 1, sem="acq_rel", scope="gpu") == NG - 1:
-                    tl.atomic_xchg(ctr_ptr + 4, 0, sem="relaxed", scope="gpu")
-                    tl.debug_barrier()
-                    _topk(logits_ptr, bias_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, K, KP, EP, TP)
+                    _topk_merge(cand_ptr, csig_ptr, ids_ptr, tw_ptr, elist_ptr, nd_ptr, S, E, NG * KL, K, KP, CP,
+                                TP)
         elif blk < NG + NL:
             nl0 = (blk - NG) * BNL
             rnl = nl0 + tl.arange(0, BNL)
@@ -128,8 +145,11 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
                 lat = bf16(totl)
                 om = sm & (rnl < LAT)[None, :]
                 tl.store(lat_ptr + rs[:, None] * LAT + rnl[None, :], lat, mask=om)
-                if FMT == 1:
-                    q, code = mx_quant_rows(lat.to(tl.float32), SP, BNL)
+                if FMT == 1 or FMT == 3:
+                    if FMT == 1:
+                        q, code = mx_quant_rows(lat.to(tl.float32), SP, BNL)
+                    else:
+                        q, code = mx8_quant_rows(lat.to(tl.float32), SP, BNL)
                     tl.store(latq_ptr + rs[:, None] * LAT + perm32(rnl)[None, :], q.to(tl.float16), mask=om)
                     rg = nl0 // 32 + tl.arange(0, BNL // 32)
                     tl.store(lats_ptr + rs[:, None] * (LAT // 32) + rg[None, :], code, mask=sm)
@@ -164,132 +184,245 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
                     g2 = bf16(tg).to(tl.float32)
                     u2 = bf16(tu).to(tl.float32)
                     tl.store(h_ptr + rs[:, None] * SI + rns[None, :], bf16(situ(g2, u2, BETA, LBETA)), mask=om2)
-    tl.debug_barrier()
-    if tl.atomic_add(ctr_ptr + 2, 1, sem="acq_rel", scope="gpu") == S + (NG + NL + NS) * SPLIT - 1:
-        tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctr_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctr_ptr + 2, 0, sem="relaxed", scope="gpu")
+    ticket_done(ctr_ptr, NA3 + (NG + NL + NS) * SPLIT, S, TP)
 
 
 @triton.jit
-def xgemm(wrow, srow, a_ptr, sar, as_ptr, sasr, S, KD, koff, FMT: tl.constexpr, BR: tl.constexpr,
-          SP: tl.constexpr, UNR: tl.constexpr, SWAP: tl.constexpr):
-    """acc[SP, BR] = a[:S, :KD] @ W[rows, :KD]^T for one expert's rows in its own format.
+def _xblock(b, ae, ao, fa, fw, acc, FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, SWAP: tl.constexpr):
+    """acc + one 32-K block of one row set: the low/high nibble planes of b [BR, 16] against the
+    even/odd activation halves ae/ao [SP, 16]; the block's exact sum scaled by its powers of
+    two (fa [SP] activation, fw [BR] weight; mxfp4/a8w4) or its bf16 scale (fw; int4)."""
+    if FMT != 2:
+        lo, hi = e2m1_f16x2(b)
+    else:
+        lo, hi = int4_bf16x2(b)
+    if SWAP:
+        d = mma(hi, tl.trans(ao), mma(lo, tl.trans(ae), tl.zeros((BR, SP), dtype=tl.float32)))
+        if FMT != 2:
+            return acc + d * fw[:, None] * fa[None, :]
+        else:
+            return acc + d * fw[:, None]
+    else:
+        d = mma(ao, tl.trans(hi), mma(ae, tl.trans(lo), tl.zeros((SP, BR), dtype=tl.float32)))
+        if FMT != 2:
+            return acc + d * fa[:, None] * fw[None, :]
+        else:
+            return acc + d * fw[None, :]
+
+
+@triton.jit
+def _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR: tl.constexpr, SP: tl.constexpr,
+          UNR: tl.constexpr, TWO: tl.constexpr):
+    """xgemm for one token row of mxfp4 (S == 1) by FMA dot products instead of MMAs: per 32 of K
+    the row's exact block sum (E2M1·E2M1 products and their sums of 32 are exact in fp32, so
+    the order inside a block does not matter) scaled as d·fa·fw and added in the same step /
+    block order as the MMA path, so the result is the MMA path's bit for bit. Rows 1.. of the
+    [SP, BR] results are 0."""
+    r16 = tl.arange(0, 16)
+    ru = tl.arange(0, UNR)
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    acc2 = acc
+    kc = ks0 + koff % nk
+    s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
+    if TWO:
+        s2_nx = tl.load(srow2[:, None] + kc * UNR + ru[None, :])
+    a_nx = tl.load(as_ptr + kc * UNR + ru)
+    for it in range(0, nk):
+        kc = ks0 + (it + koff) % nk
+        kn = ks0 + (it + 1 + koff) % nk
+        s_cu = s_nx
+        s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
+        if TWO:
+            s2_cu = s2_nx
+            s2_nx = tl.load(srow2[:, None] + kn * UNR + ru[None, :])
+        a_cu = a_nx
+        a_nx = tl.load(as_ptr + kn * UNR + ru)
+        for uu in tl.static_range(UNR):
+            kb = kc * UNR + uu
+            ae = tl.load(a_ptr + kb * 32 + r16).to(tl.float32)
+            ao = tl.load(a_ptr + kb * 32 + 16 + r16).to(tl.float32)
+            fa = pow2(tl.sum(tl.where(ru == uu, a_cu, 0), axis=0) - 113)  # 2^(sa-127)·2^14
+            lo, hi = e2m1_f16x2(tl.load(wrow[:, None] + kb * 16 + r16[None, :]))
+            d = tl.sum(lo.to(tl.float32) * ae[None, :] + hi.to(tl.float32) * ao[None, :], axis=1)
+            fw = e8m0(tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.int32), 0), axis=1))
+            acc = acc + d * fa * fw
+            if TWO:
+                lo2, hi2 = e2m1_f16x2(tl.load(wrow2[:, None] + kb * 16 + r16[None, :]))
+                d2 = tl.sum(lo2.to(tl.float32) * ae[None, :] + hi2.to(tl.float32) * ao[None, :], axis=1)
+                fw2 = e8m0(tl.sum(tl.where(ru[None, :] == uu, s2_cu.to(tl.int32), 0), axis=1))
+                acc2 = acc2 + d2 * fa * fw2
+    row0 = (tl.arange(0, SP) == 0)[:, None]
+    return tl.where(row0, acc[None, :], 0.0), tl.where(row0, acc2[None, :], 0.0)
+
+
+@triton.jit
+def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, FMT: tl.constexpr,
+          BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, SWAP: tl.constexpr, TWO: tl.constexpr,
+          ROW: tl.constexpr = False, SLOAD: tl.constexpr = False):
+    """(acc, acc2) [SP, BR] = a[:S] @ W[rows]^T over the K steps [ks0, ks0+nk) of 32·UNR, for one
+    expert's rows in its own format; with TWO a second row set (wrow2/srow2) shares every
+    activation load (gemm1's gate and up rows).
 
     wrow/srow: [BR] pointers to each row's weights / scales. FMT 0 bf16 (a natural order);
-    1 mxfp4 (a: E2M1 values as fp16 in perm32 order, E8M0 codes per 32 in as_ptr); 2 int4
-    (a: bf16 in perm32 order). Quantized blocks: per 32 of K a 16-byte load per row, the
-    low/high nibble planes against the even/odd halves of the activation block, the
-    block's exact sum scaled by its two powers of two (mxfp4) or its bf16 scale (int4) in
-    fp32. UNR blocks per step, visited from step koff on; the scales of the next step are
-    loaded one step ahead. SWAP puts the weights on the MMA's M side (see gemv).
+    1 mxfp4 / 3 a8w4 (a: E2M1 / E4M3 values as fp16 in perm32 order, E8M0 codes per 32 in
+    as_ptr); 2 int4 (a: bf16 in perm32 order). Quantized blocks: per 32 of K a 16-byte load
+    per row, see _xblock; the block sums are added in fp32 in step order from step koff
+    (rotated), blocks in order within a step. The scales of the next step are loaded one step
+    ahead (SLOAD: loaded per block instead). SWAP puts the weights on the MMA's M side (see gemv).
+    ROW (mxfp4, S == 1): _xrow.
     """
+    if ROW:
+        return _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR, SP, UNR, TWO)
     rs = tl.arange(0, SP)
     sm = rs < S
     if SWAP:
         acc = tl.zeros((BR, SP), dtype=tl.float32)
     else:
         acc = tl.zeros((SP, BR), dtype=tl.float32)
+    acc2 = acc
     if FMT == 0:
         rk = tl.arange(0, 32 * UNR)
-        nk = KD // (32 * UNR)
         for it in range(0, nk):
-            k0 = ((it + koff) % nk) * (32 * UNR)
+            k0 = (ks0 + (it + koff) % nk) * (32 * UNR)
             a = tl.load(a_ptr + rs[:, None] * sar + k0 + rk[None, :], mask=sm[:, None], other=0.0)
             w = tl.load(wrow[:, None] + k0 + rk[None, :])
             if SWAP:
                 acc = mma(w, tl.trans(a), acc)
             else:
                 acc = mma(a, tl.trans(w), acc)
+            if TWO:
+                w2 = tl.load(wrow2[:, None] + k0 + rk[None, :])
+                if SWAP:
+                    acc2 = mma(w2, tl.trans(a), acc2)
+                else:
+                    acc2 = mma(a, tl.trans(w2), acc2)
     else:
         r16 = tl.arange(0, 16)
         ru = tl.arange(0, UNR)
-        nk = KD // 32 // UNR
-        kc = koff % nk
-        s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
-        if FMT == 1:
-            a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
+        kc = ks0 + koff % nk
+        PF: tl.constexpr = not SLOAD
+        if PF:
+            s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
+            if TWO:
+                s2_nx = tl.load(srow2[:, None] + kc * UNR + ru[None, :])
+            if FMT != 2:
+                a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
         for it in range(0, nk):
-            kc = (it + koff) % nk
-            kn = (it + 1 + koff) % nk
-            s_cu = s_nx
-            s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
-            if FMT == 1:
-                a_cu = a_nx
-                a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
+            kc = ks0 + (it + koff) % nk
+            kn = ks0 + (it + 1 + koff) % nk
+            if PF:
+                s_cu = s_nx
+                s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
+                if TWO:
+                    s2_cu = s2_nx
+                    s2_nx = tl.load(srow2[:, None] + kn * UNR + ru[None, :])
+                if FMT != 2:
+                    a_cu = a_nx
+                    a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
             for uu in tl.static_range(UNR):
                 kb = kc * UNR + uu
                 b = tl.load(wrow[:, None] + kb * 16 + r16[None, :])
+                if TWO:
+                    b2 = tl.load(wrow2[:, None] + kb * 16 + r16[None, :])
                 ae = tl.load(a_ptr + rs[:, None] * sar + kb * 32 + r16[None, :], mask=sm[:, None], other=0.0)
                 ao = tl.load(a_ptr + rs[:, None] * sar + kb * 32 + 16 + r16[None, :], mask=sm[:, None], other=0.0)
-                if FMT == 1:
-                    lo, hi = e2m1_f16x2(b)
+                if SLOAD:  # the block's scales loaded where they are used (L1-hot: the step's share lines)
+                    if FMT != 2:
+                        fa = pow2(tl.load(as_ptr + rs * sasr + kb, mask=sm, other=0).to(tl.int32) - 113)
+                        fw = e8m0(tl.load(srow + kb))
+                        if TWO:
+                            fw2 = e8m0(tl.load(srow2 + kb))
+                    else:
+                        fw = tl.load(srow + kb).to(tl.float32)
+                        fa = fw
+                        if TWO:
+                            fw2 = tl.load(srow2 + kb).to(tl.float32)
+                elif FMT != 2:
                     fa = pow2(tl.sum(tl.where(ru[None, :] == uu, a_cu, 0), axis=1) - 113)  # 2^(sa-127)·2^14
                     fw = e8m0(tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.int32), 0), axis=1))
+                    if TWO:
+                        fw2 = e8m0(tl.sum(tl.where(ru[None, :] == uu, s2_cu.to(tl.int32), 0), axis=1))
                 else:
-                    lo, hi = int4_bf16x2(b)
                     fw = tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.float32), 0.0), axis=1)
-                if SWAP:
-                    d = mma(hi, tl.trans(ao), mma(lo, tl.trans(ae), tl.zeros((BR, SP), dtype=tl.float32)))
-                    if FMT == 1:
-                        acc += d * fw[:, None] * fa[None, :]
-                    else:
-                        acc += d * fw[:, None]
-                else:
-                    d = mma(ao, tl.trans(hi), mma(ae, tl.trans(lo), tl.zeros((SP, BR), dtype=tl.float32)))
-                    if FMT == 1:
-                        acc += d * fa[:, None] * fw[None, :]
-                    else:
-                        acc += d * fw[None, :]
+                    fa = fw
+                    if TWO:
+                        fw2 = tl.sum(tl.where(ru[None, :] == uu, s2_cu.to(tl.float32), 0.0), axis=1)
+                acc = _xblock(b, ae, ao, fa, fw, acc, FMT, BR, SP, SWAP)
+                if TWO:
+                    acc2 = _xblock(b2, ae, ao, fa, fw2, acc2, FMT, BR, SP, SWAP)
     if SWAP:
-        return tl.trans(acc)
+        return tl.trans(acc), tl.trans(acc2)
     else:
-        return acc
+        return acc, acc2
 
 
 @triton.jit
 def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, ws_se, ws_sr, v_ptr, vs_ptr,
-                   h_ptr, wsd_ptr, swsd, fin_ptr, S, LAT, RI, H, SI, NCH, DMAX,
-                   FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr,
+                   h_ptr, wsd_ptr, swsd, fin_ptr, part_ptr, ctr_ptr, S, LAT, RI, H, SI, NCH, DMAX,
+                   FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, X1S: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, STAG: tl.constexpr,
-                   SWAP: tl.constexpr):
-    """Grid (DMAX·NCH + cdiv(H, BN),): routed gemm1 + SiTU for (distinct pick i, RI chunk c),
-    then the shared-expert down projection sh -> fin (the up projection adds to it later).
+                   SWAP: tl.constexpr, ROW: tl.constexpr, SLOAD: tl.constexpr):
+    """Grid (DMAX·NCH·X1S + cdiv(H, BN),): routed gemm1 + SiTU for (distinct pick i, RI chunk c,
+    K split ks), then the shared-expert down projection sh -> fin (the up projection adds to it
+    later).
 
-    v is kept per pick slot (perm32 order for the quantized formats): mxfp4 quantizes it per
-    32 (never rounded to bf16), the other formats round it to bf16. Slots past the number
-    of distinct picks return at once.
+    With X1S > 1 the K split partials of gate and up go to part [X1S, SP, DMAX·2RI] and the last
+    program of (i, c) (acq_rel counter) adds them in split order. v is kept per pick slot
+    (perm32 order for the quantized formats): mxfp4 / a8w4 quantize it per 32 (never rounded to
+    bf16), the other formats round it to bf16. Slots past the number of distinct picks return
+    at once.
     """
     pid = tl.program_id(0)
     rs = tl.arange(0, SP)
     sm = (rs < S)[:, None]
-    if pid < DMAX * NCH:
-        i = pid // NCH
-        c = pid % NCH
+    if pid < DMAX * NCH * X1S:
+        ks = pid % X1S
+        ic = pid // X1S
+        i = ic // NCH
+        c = ic % NCH
         if i < tl.load(nd_ptr):
             e = tl.load(elist_ptr + i).to(tl.int64)
             rr = c * BR + tl.arange(0, BR)
             wb = w_ptr + e * w_se
             sb = ws_ptr + e * ws_se
-            ko = (pid * STAG) % (LAT // (32 * UNR))
-            g = xgemm(wb + rr * w_sr, sb + rr * ws_sr, a_ptr, LAT, as_ptr, LAT // 32, S, LAT, ko, FMT, BR, SP, UNR,
-                      SWAP)
-            u = xgemm(wb + (RI + rr) * w_sr, sb + (RI + rr) * ws_sr, a_ptr, LAT, as_ptr, LAT // 32, S, LAT, ko, FMT,
-                      BR, SP, UNR, SWAP)
-            v = situ(g, u, BETA, LBETA)
-            if FMT == 0:
-                vo = v_ptr + i * S * RI + rs[:, None] * RI + rr[None, :]
-            else:
-                vo = v_ptr + i * S * RI + rs[:, None] * RI + perm32(rr)[None, :]
-            if FMT == 1:
-                q, code = mx_quant_rows(v, SP, BR)
-                tl.store(vo, q.to(tl.float16), mask=sm)
-                rg = c * (BR // 32) + tl.arange(0, BR // 32)
-                tl.store(vs_ptr + i * S * (RI // 32) + rs[:, None] * (RI // 32) + rg[None, :], code, mask=sm)
-            else:
-                tl.store(vo, bf16(v), mask=sm)
+            nk = LAT // (32 * UNR) // X1S
+            g, u = xgemm(wb + rr * w_sr, sb + rr * ws_sr, wb + (RI + rr) * w_sr, sb + (RI + rr) * ws_sr, a_ptr, LAT,
+                         as_ptr, LAT // 32, S, ks * nk, nk, (pid * STAG) % nk, FMT, BR, SP, UNR, SWAP, True, ROW, SLOAD)
+            last = True
+            if X1S > 1:
+                pw = DMAX * 2 * RI
+                po = part_ptr + (ks * SP + rs[:, None]) * pw + i * 2 * RI + rr[None, :]
+                tl.store(po, g, mask=sm)
+                tl.store(po + RI, u, mask=sm)
+                tl.debug_barrier()
+                last = tl.atomic_add(ctr_ptr + ic, 1, sem="acq_rel", scope="gpu") == X1S - 1
+                if last:
+                    tl.atomic_xchg(ctr_ptr + ic, 0, sem="relaxed", scope="gpu")
+                    tl.debug_barrier()
+                    g = tl.zeros((SP, BR), dtype=tl.float32)
+                    u = tl.zeros((SP, BR), dtype=tl.float32)
+                    for kk in tl.static_range(X1S):
+                        pk = part_ptr + (kk * SP + rs[:, None]) * pw + i * 2 * RI + rr[None, :]
+                        g += tl.load(pk, mask=sm, other=0.0, cache_modifier=".cg")
+                        u += tl.load(pk + RI, mask=sm, other=0.0, cache_modifier=".cg")
+            if last:
+                v = situ(g, u, BETA, LBETA)
+                if FMT == 0:
+                    vo = v_ptr + i * S * RI + rs[:, None] * RI + rr[None, :]
+                else:
+                    vo = v_ptr + i * S * RI + rs[:, None] * RI + perm32(rr)[None, :]
+                if FMT == 1 or FMT == 3:
+                    if FMT == 1:
+                        q, code = mx_quant_rows(v, SP, BR)
+                    else:
+                        q, code = mx8_quant_rows(v, SP, BR)
+                    tl.store(vo, q.to(tl.float16), mask=sm)
+                    rg = c * (BR // 32) + tl.arange(0, BR // 32)
+                    tl.store(vs_ptr + i * S * (RI // 32) + rs[:, None] * (RI // 32) + rg[None, :], code, mask=sm)
+                else:
+                    tl.store(vo, bf16(v), mask=sm)
     else:
-        n0 = (pid - DMAX * NCH) * BN
+        n0 = (pid - DMAX * NCH * X1S) * BN
         rn = n0 + tl.arange(0, BN)
         nks = SI // BK
         acc = gemv(h_ptr, SI, S, wsd_ptr, swsd, n0, H, 0, nks, (pid * STAG) % nks, BN, BK, SP, False, SWAP)
@@ -300,7 +433,8 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
 def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_ptr, w_se, w_sr, ws_se, ws_sr,
                    contrib_ptr, y_ptr, ctr_ptr, S, LAT, RI, DMAX,
                    FMT: tl.constexpr, BL: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr,
-                   K: tl.constexpr, KP: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr):
+                   K: tl.constexpr, KP: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, ROW: tl.constexpr,
+                   SLOAD: tl.constexpr):
     """Grid (NLB·DMAX,): routed gemm2 for (latent block lb, distinct pick i) -> contrib[t, k] =
     bf16(acc·w) for every token t that picked it (at its rank k); the last program of a
     latent block (acq_rel counter) sums y = bf16(y + contrib_k) in pick order for the block.
@@ -321,8 +455,9 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
         wt = tl.sum(tl.where(hit, tl.load(tw_ptr + rs[:, None] * K + rk[None, :], mask=km, other=0.0), 0.0), axis=1)
         e64 = e.to(tl.int64)
         ko = (pid * STAG) % (RI // (32 * UNR))
-        acc = xgemm(w_ptr + e64 * w_se + rl * w_sr, ws_ptr + e64 * ws_se + rl * ws_sr, v_ptr + i * S * RI, RI,
-                    vs_ptr + i * S * (RI // 32), RI // 32, S, RI, ko, FMT, BL, SP, UNR, SWAP)
+        acc, _ = xgemm(w_ptr + e64 * w_se + rl * w_sr, ws_ptr + e64 * ws_se + rl * ws_sr, w_ptr, ws_ptr,
+                       v_ptr + i * S * RI, RI, vs_ptr + i * S * (RI // 32), RI // 32, S, 0, RI // (32 * UNR), ko, FMT,
+                       BL, SP, UNR, SWAP, False, ROW, SLOAD)
         tl.store(contrib_ptr + (rs[:, None] * K + kpos[:, None]) * LAT + rl[None, :], bf16(acc * wt[:, None]),
                  mask=has[:, None])
     tl.debug_barrier()
@@ -338,51 +473,40 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
 
 
 @triton.jit
-def k2_up_kernel(ls_ptr, lnw_ptr, wup_ptr, swu, fin_ptr, tapln_ptr, part_ptr, ctr_ptr, S, LAT, H, UPN, col0, ln_eps,
-                 BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr, SPLIT: tl.constexpr, STAG: tl.constexpr,
-                 SWAP: tl.constexpr, TAPS: tl.constexpr):
-    """Grid (cdiv(UPN, BN)·SPLIT,): Ls = bf16(reduced y), LN = bf16(rmsnorm(Ls)·ln_w), and on
-    this rank's columns fin = bf16(sh + LN @ w_up^T). Every program recomputes the row
-    norms; with SPLIT > 1 the last program of an output block adds the K-split partials
-    in split order."""
-    pid = tl.program_id(0)
-    nb = pid // SPLIT
-    ks = pid % SPLIT
-    n0 = nb * BN
+def k2_up_kernel(ctr_ptr, ls_ptr, lnw_ptr, ln_ptr, wup_ptr, swu, fin_ptr, part_ptr, ctrn_ptr, S, LAT, H, UPN, col0,
+                 ln_eps, spin, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr, LATP: tl.constexpr,
+                 SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr):
+    """Grid (S + cdiv(UPN, BN)·SPLIT,), ticketed like k1_mid: tickets < S compute the latent norm
+    of row t, LN = bf16(Ls·rsqrt(mean(Ls²) + ln_eps)·ln_w) with Ls = bf16(reduced y), into
+    ln; the others wait for the S rows, then stream one K split of this rank's up-projection
+    rows: fin = bf16(sh + LN @ w_up^T) on its columns (the last split adds the partials in split
+    order). ctr as in k1_mid (ticket, rows ready, done, spin overflow)."""
+    ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     rs = tl.arange(0, SP)
     sm = (rs < S)[:, None]
-    rk = tl.arange(0, BK)
-    rn = n0 + tl.arange(0, BN)
-    ss = tl.zeros((SP,), dtype=tl.float32)
-    for k0 in range(0, LAT, BK):
-        lv = bf16(tl.load(ls_ptr + rs[:, None] * LAT + k0 + rk[None, :], mask=sm, other=0.0)).to(tl.float32)
-        ss += tl.sum(lv * lv, axis=1)
-    rstd = rsqrt(ss / LAT + ln_eps)
-    if SWAP:
-        acc = tl.zeros((BN, SP), dtype=tl.float32)
+    if ticket < S:
+        rl = tl.arange(0, LATP)
+        lm = rl < LAT
+        lv = bf16(tl.load(ls_ptr + ticket * LAT + rl, mask=lm, other=0.0)).to(tl.float32)
+        rstd = rsqrt(tl.sum(lv * lv, axis=0) / LAT + ln_eps)
+        w = tl.load(lnw_ptr + rl, mask=lm, other=0.0).to(tl.float32)
+        tl.store(ln_ptr + ticket * LAT + rl, bf16(lv * rstd * w), mask=lm)
+        tl.debug_barrier()
+        tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
     else:
-        acc = tl.zeros((SP, BN), dtype=tl.float32)
-    nk = LAT // BK // SPLIT
-    ko = (pid * STAG) % nk
-    for it in range(0, nk):
-        k0 = (ks * nk + (it + ko) % nk) * BK
-        lv = bf16(tl.load(ls_ptr + rs[:, None] * LAT + k0 + rk[None, :], mask=sm, other=0.0)).to(tl.float32)
-        ln = bf16(lv * rstd[:, None] * tl.load(lnw_ptr + k0 + rk).to(tl.float32)[None, :])
-        if TAPS:
-            if nb == 0:
-                tl.store(tapln_ptr + rs[:, None] * LAT + k0 + rk[None, :], ln, mask=sm)
-        w = tl.load(wup_ptr + rn[:, None] * swu + k0 + rk[None, :], mask=(rn < UPN)[:, None], other=0.0)
-        if SWAP:
-            acc = mma(w, tl.trans(ln), acc)
-        else:
-            acc = mma(ln, tl.trans(w), acc)
-    if SWAP:
-        acc2 = tl.trans(acc)
-    else:
-        acc2 = acc
-    last, tot = splitk(acc2, part_ptr, UPN, ctr_ptr, nb, ks, S, UPN, n0, BN, SP, SPLIT)
-    if last:
-        fo = fin_ptr + rs[:, None] * H + col0 + rn[None, :]
-        om = sm & (rn < UPN)[None, :]
-        sh = tl.load(fo, mask=om, other=0.0).to(tl.float32)
-        tl.store(fo, bf16(sh + tot), mask=om)
+        u = ticket - S
+        nb = u // SPLIT
+        ks = u % SPLIT
+        n0 = nb * BN
+        rn = n0 + tl.arange(0, BN)
+        wait_ge(ctr_ptr + 1, S, spin, ctr_ptr + 3)
+        nk = LAT // BK // SPLIT
+        acc = gemv(ln_ptr, LAT, S, wup_ptr, swu, n0, UPN, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True,
+                   SWAP)
+        last, tot = splitk(acc, part_ptr, UPN, ctrn_ptr, nb, ks, S, UPN, n0, BN, SP, SPLIT)
+        if last:
+            fo = fin_ptr + rs[:, None] * H + col0 + rn[None, :]
+            om = sm & (rn < UPN)[None, :]
+            sh = tl.load(fo, mask=om, other=0.0).to(tl.float32)
+            tl.store(fo, bf16(sh + tot), mask=om)
+    ticket_done(ctr_ptr, S + tl.cdiv(UPN, BN) * SPLIT, S, TP)

@@ -1,45 +1,81 @@
-"""Block sizes and launch settings of the Triton backend. benchmarks/bench_fast.py times
-candidate settings (CANDIDATES) on the device and reports the fastest; benchmarks/NOTES.md
-has what each one measured."""
+"""Block sizes and launch settings of the Triton backend, grouped by launch (GROUPS).
+benchmarks/bench_fast.py times the CANDIDATES of every launch on the device and keeps the
+fastest per launch; benchmarks/NOTES.md has what each one measured."""
 from __future__ import annotations
 
 TUNE: dict = dict(
     stag=5,          # K-block visiting order offset per program (0: all programs in step)
-    # K1
-    k1_merge=True,   # attnres + in_proj in one ticketed launch (else two launches)
-    k1_bn=32, k1_bk=512, k1_warps=4, k1_stages=4,
-    k1_split=1,      # K split of in_proj (partials + last-program sum)
+    spin=1 << 22,    # polls of a ticket wait before it gives up (raising the flag health() reports)
+    # K1 launch 1: AttnRes phases + in_proj
+    k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
+    k1_bn=32, k1_bk=256, k1_warps=2, k1_stages=4,
+    k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
-    attn_bh=512, attn_warps=8,
+    # K1 launch 2: conv, gates, recurrence, gated norm
     k1_nv=4,         # programs per (request, head) in the recurrence (value-row split)
     rec_warps=4,
-    # K2
-    k2_bn=16, k2_bk=256, k2_warps=4, k2_stages=4, k2_swap=False,
-    o_split=1, up_split=1, mid_split=1,
-    mid_bn=16, mid_bnl=64, mid_bns=32, mid_warps=4,
-    x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3,
+    # K2 launch 1: o_proj
+    k2_bn=32, k2_bk=256, k2_warps=2, k2_stages=3, k2_swap=False, o_split=1,
+    # K2 launch 2: AttnRes phases + router / latent-down / shared gate-up GEMVs + top-k
+    mid_hc=1024, mid_bn=128, mid_bnl=64, mid_bns=32, mid_bk=128, mid_warps=4, mid_stages=4, mid_swap=True,
+    mid_split=4,
+    # K2 launch 3: routed gemm1 (+ shared down)
+    x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3, x1_swap=False,
+    x1_split=4, x1_fill=1024,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
+    x1_row=True,     # mxfp4 at one token: FMA dot products instead of MMAs (same bits)
+    x1_sload=False,  # quantized blocks' scales loaded per block (True) or per step and picked out (False)
     sd_bn=32, sd_bk=256,
-    x2_bl=128, x2_unr=4, x2_warps=4, x2_stages=3,
-    x_swap=False,
-    up_bn=16, up_bk=256, up_warps=4,
+    # K2 launch 4: routed gemm2 + pick-order sum
+    x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False, x2_row=True, x2_sload=False,
+    # K2 launch 5: latent norm + up projection
+    up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=7,
 )
 
-# Settings the benchmark's tuning pass tries per launch group (each applied over TUNE);
-# the fastest measured one is reported with the table.
-CANDIDATES: dict = dict(
-    k1=[{},
-        dict(k1_swap=True, k1_bn=64, k1_bk=128, k1_split=2),
-        dict(k1_swap=True, k1_bn=64, k1_bk=128, k1_split=4),
-        dict(k1_swap=True, k1_bn=128, k1_bk=64, k1_split=4, k1_stages=5),
-        dict(k1_swap=True, k1_bn=64, k1_bk=256, k1_split=2, k1_stages=3),
-        dict(k1_bn=32, k1_bk=512, k1_warps=2)],
-    k2=[{},
-        dict(k2_swap=True, k2_bn=64, k2_bk=128, mid_bn=64, mid_bnl=64, mid_bns=64, mid_split=2, o_split=2,
-             up_split=2, up_bn=64, up_bk=128),
-        dict(k2_swap=True, k2_bn=64, k2_bk=128, mid_bn=64, mid_bnl=64, mid_bns=64, mid_split=4, o_split=3,
-             up_split=4, up_bn=64, up_bk=128),
-        dict(k2_swap=True, x_swap=True, k2_bn=64, k2_bk=128, mid_bn=64, mid_bnl=64, mid_bns=64, mid_split=2,
-             o_split=2, up_split=2, up_bn=64, up_bk=128),
-        dict(x_swap=True),
-        dict(k2_bn=32, k2_bk=256, mid_bn=32, mid_bns=32, k2_warps=2, mid_warps=2)],
-)
+# The knobs of each launch (call, index of the launch within the call): a launch's time
+# depends on its own knobs only, so the tuning pass picks each group's best independently.
+GROUPS: dict = {
+    ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap"),
+    ("k1", 1): ("k1_nv", "rec_warps"),
+    ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
+    ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
+                "mid_split"),
+    ("k2", 2): ("x1_br", "x1_unr", "x1_warps", "x1_stages", "x1_swap", "x1_split", "x1_fill", "x1_row", "x1_sload", "sd_bn",
+                "sd_bk"),
+    ("k2", 3): ("x2_bl", "x2_unr", "x2_warps", "x2_stages", "x2_swap", "x2_row", "x2_sload"),
+    ("k2", 4): ("up_bn", "up_bk", "up_warps", "up_swap", "up_split"),
+}
+
+# Candidates per launch; candidate i of every group runs together in variant i of the tuning
+# pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds what
+# the v6 tuning pass chose (x1_row / x2_row; benchmarks/NOTES.md v6, over v5's choice:
+# bench_fast_h200_v5.txt; the v4 sweep: bench_fast_h200_v4_sweep.txt). A candidate that fails
+# to build or disagrees with the reference drops its whole variant, so risky ones share one.
+CANDIDATES: dict = {
+    ("k1", 0): [{}, dict(k1_bk=512), dict(k1_bn=16), dict(k1_stages=5), dict(k1_split=1), dict(k1_split=7),
+                dict(k1_bn=16, k1_split=4), dict(k1_warps=1)],
+    ("k1", 1): [{}, dict(rec_warps=1), dict(k1_nv=16, rec_warps=2), dict(k1_nv=8, rec_warps=1),
+                dict(k1_nv=2, rec_warps=2), dict(rec_warps=8), dict(k1_nv=1, rec_warps=2), dict(k1_nv=8)],
+    ("k2", 0): [{}, dict(o_split=2), dict(k2_bk=128), dict(k2_bn=16, k2_warps=1), dict(k2_warps=4), dict(o_split=4),
+                dict(k2_stages=4), dict(k2_bn=64)],
+    ("k2", 1): [{}, dict(mid_split=2), dict(mid_bk=256), dict(mid_bn=64), dict(mid_warps=8), dict(mid_bnl=32),
+                dict(mid_bns=16), dict(mid_stages=3)],
+    ("k2", 2): [{}, dict(x1_sload=True), dict(x1_split=7), dict(x1_split=14), dict(x1_unr=2, x1_split=14),
+                dict(x1_split=1), dict(x1_unr=2, x1_split=7), dict(x1_unr=1, x1_split=16)],
+    ("k2", 3): [{}, dict(x2_sload=True), dict(x2_unr=4), dict(x2_unr=1), dict(x2_unr=4, x2_stages=2),
+                dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1, x2_warps=1)],
+    ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=256),
+                dict(up_split=4), dict(up_bn=128), dict(up_warps=8)],
+}
+
+
+def variant(i: int) -> dict:
+    """Candidate i of every launch group, merged (the groups' knobs are disjoint)."""
+    out: dict = {}
+    for cands in CANDIDATES.values():
+        if i < len(cands):
+            out.update(cands[i])
+    return out
+
+
+def n_variants() -> int:
+    return max(len(c) for c in CANDIDATES.values())

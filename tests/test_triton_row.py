@@ -1,0 +1,88 @@
+"""Triton backend, interpreted (tiny config): the one-token mxfp4 routed GEMMs by FMA dot
+products (TUNE x1_row / x2_row, fast.triton._k2._xrow) against the reference's routed stage
+fed the backend's own lat / picks bit for bit, and against the MMA path bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_tier import backend, triton, tune  # noqa: E402,F401  (sets TRITON_INTERPRET first)
+
+import triton.language as tl  # noqa: E402,F401  (visible to the jit function below)
+
+import ref  # noqa: E402
+from fast.triton import _jit as fj  # noqa: E402
+from conftest import clone, make_k2  # noqa: E402
+from ref._num import Num  # noqa: E402
+from ref.routed_experts import routed_experts  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+
+
+def _run(backend, key, ranks):
+    b = [dict(clone(r), taps={}) for r in ranks]
+    for x in b:
+        x["out"].fill_(float("nan"))
+    ref.k2_world(key, b, launch=backend.k2_launch)
+    return b
+
+
+def _isolated(key, w, tb):
+    return routed_experts(tb["lat"], tb["topk_ids"], tb["topk_w"], w["w13"], w["w13s"], w["w2"], w["w2s"], "mxfp4",
+                          key.situ_beta, key.situ_linear_beta, Num())
+
+
+@pytest.mark.parametrize("layer,tune_set", [
+    (1, {}),
+    (2, dict(x1_unr=1, x1_split=2, x2_unr=1)),  # gemm1 K split 2, one 32-block per step
+])
+def test_row_path_bit_exact(backend, tune, seed, layer, tune_set):
+    key, ranks = make_k2(seed=seed + layer, fmt="mxfp4", layer=layer, S=1)
+    tune.update(tune_set, x1_row=False, x2_row=False)
+    mma = _run(backend, key, ranks)
+    tune.update(x1_row=True, x2_row=True)
+    row = _run(backend, key, ranks)
+    for r, w in enumerate(ranks):
+        tb = row[r]["taps"]
+        assert torch.isfinite(tb["y"].float()).all() and tb["y"].abs().max() > 0
+        assert torch.equal(tb["y"], _isolated(key, w, tb)), f"rank {r}: row path differs from the reference stage"
+        assert torch.equal(tb["y"], mma[r]["taps"]["y"]), f"rank {r}: row path differs from the MMA path"
+        assert torch.equal(row[r]["out"], mma[r]["out"])
+
+
+@triton.jit
+def _pow2_off(e):
+    return fj.pow2(e + 1)
+
+
+def test_planted_scale_bug_fails(backend, tune, seed, monkeypatch):
+    """The row path with every activation scale read one binade high must fail both comparisons."""
+    from fast.triton import _k2
+    key, ranks = make_k2(seed=seed, fmt="mxfp4", layer=1, S=1)
+    tune.update(x1_row=False, x2_row=False)
+    mma = _run(backend, key, ranks)
+    tune.update(x1_row=True, x2_row=True)
+    monkeypatch.setattr(_k2, "pow2", _pow2_off)
+    row = _run(backend, key, ranks)
+    tb = row[0]["taps"]
+    assert not torch.equal(tb["y"], _isolated(key, ranks[0], tb))
+    assert not torch.equal(tb["y"], mma[0]["taps"]["y"])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "a8w4"])
+def test_scales_loaded_per_block_same_bits(backend, tune, seed, fmt):
+    """TUNE x1_sload / x2_sload (each block's scales loaded where used) against the per-step
+    prefetch, several tokens (the MMA path), bit for bit; and y against the isolated stage."""
+    key, ranks = make_k2(seed=seed, fmt=fmt, layer=1, S=5)
+    tune.update(x1_unr=2, x2_unr=2)
+    pre = _run(backend, key, ranks)
+    tune.update(x1_sload=True, x2_sload=True)
+    per = _run(backend, key, ranks)
+    for r, w in enumerate(ranks):
+        tb = per[r]["taps"]
+        assert torch.isfinite(tb["y"].float()).all() and tb["y"].abs().max() > 0
+        assert torch.equal(tb["y"], pre[r]["taps"]["y"]) and torch.equal(per[r]["out"], pre[r]["out"])
+        want = routed_experts(tb["lat"], tb["topk_ids"], tb["topk_w"], w["w13"], w["w13s"], w["w2"], w["w2s"], fmt,
+                              key.situ_beta, key.situ_linear_beta, Num())
+        assert torch.equal(tb["y"], want), f"rank {r}: routed experts (isolated) differ"
