@@ -250,14 +250,22 @@ def _weights(step: Step) -> list[torch.Tensor]:
 _BEFORE: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its checksum before any backend ran)
 
 
+_CHUNK_WORDS = 1 << 26  # int64 temporaries of at most 512 MiB, whatever the weight's size
+
+
 def _checksum(t: torch.Tensor) -> torch.Tensor:
     """[2] int64 on t's device: sums of t's 32-bit words at even and odd positions (a weight a
     backend wrote into changes them)."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n4 = b.numel() // 4 * 4
-    w = b[:n4].view(torch.int32).to(torch.int64)
-    tail = b[n4:].to(torch.int64).sum()
-    return torch.stack([w[0::2].sum() + tail, w[1::2].sum()])
+    words = b[:n4].view(torch.int32)
+    acc = torch.zeros(2, dtype=torch.int64, device=t.device)
+    acc[0] += b[n4:].to(torch.int64).sum()
+    for i in range(0, words.numel(), _CHUNK_WORDS):  # _CHUNK_WORDS is even: parity is kept
+        w = words[i:i + _CHUNK_WORDS].to(torch.int64)
+        acc[0] += w[0::2].sum()
+        acc[1] += w[1::2].sum()
+    return acc
 
 
 def _checksums(weights, cached: bool) -> list[tuple]:

@@ -253,3 +253,20 @@ def test_reading_the_revision_takes_no_git_lock(tmp_path):
     assert git_revision(repo)
     assert (idx.stat().st_mtime_ns, idx.read_bytes()) == before
     assert not (repo / ".git" / "index.lock").exists()
+
+
+def test_weight_checksum_in_chunks_sees_one_word(monkeypatch):
+    """The weight checksum runs in bounded chunks (no int64 copy of a 2 GB weight): chunked or
+    not it is the same sum, and one changed 32-bit word anywhere changes it."""
+    import torch
+
+    from harness import engine
+
+    t = torch.randint(-2 ** 31, 2 ** 31 - 1, (1001,), dtype=torch.int32).view(torch.bfloat16)[:2001]
+    whole = engine._checksum(t)
+    monkeypatch.setattr(engine, "_CHUNK_WORDS", 8)
+    assert torch.equal(engine._checksum(t), whole)
+    for i in (0, 7, 8, 999, 2000):
+        u = t.clone()
+        u.view(torch.int16)[i] ^= 1
+        assert not torch.equal(engine._checksum(u), whole), i
