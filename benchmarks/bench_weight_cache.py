@@ -6,7 +6,8 @@ the layer's weights among them), each in a fresh process under /usr/bin/time -v.
 Makes a corpus of N steps of one layer (`synth --layers 1 --num-spec 1`), then measures:
 - loader: load_set + the launch arguments + the reference's K1 and K2 on every rank, set by set
   (what harness.capture owns);
-- replay: `k3verify replay --backend ref --no-isolate` (the whole harness);
+- replay: `k3verify replay --backend ref --no-isolate` (the whole harness: it holds the previous
+  set's step while it loads the next, so its peak may hold two sets' state);
 each with the cache on (default budget) and off (K3VERIFY_WEIGHT_CACHE=0).
 """
 from __future__ import annotations
@@ -28,12 +29,12 @@ from harness.capture import CACHE, discover, load_set
 import ref
 for p in discover(sys.argv[1])[:int(sys.argv[2])]:
     cs = load_set(p)
-    k1 = [cs.k1_args(r) for r in cs.ranks] if cs.has_k1 else None
-    for r, a in enumerate(k1 or []):
+    k1 = [cs.k1_args(r) for r in cs.ranks] if cs.has_k1 else []
+    for a in k1:
         ref.kda_pre(cs.k1_key, **a)
     if cs.has_k2:
         ref.k2_world(cs.k2_key, cs.k2_world_args())
-    del cs, k1
+    del cs, k1, a  # nothing of this set alive while the next one loads
 print("cache", CACHE.hits, "hits", CACHE.misses, "misses", file=sys.stderr)
 """
 
