@@ -53,15 +53,21 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="small")
     p.add_argument("--sets", type=int, default=6)
     p.add_argument("--weights", default="recipe", choices=("recipe", "stored"))
+    p.add_argument("--only", choices=("loader", "replay"), default=None)
+    p.add_argument("--one-arena", action="store_true",
+                   help="MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=0: separates glibc's per-thread arena "
+                        "growth from memory the harness holds")
     a = p.parse_args(argv)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if a.one_arena:
+        env.update(MALLOC_ARENA_MAX="1", MALLOC_TRIM_THRESHOLD_="0")
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "c"
         subprocess.run([PY, "-m", "harness.cli", "synth", "--config", a.config, "--layers", "1", "--steps",
                         str(a.sets), "--num-spec", "1", "--weights", a.weights, "--no-git", "-q", "--out", str(out)],
                        cwd=ROOT, env=env, check=True)
         print(f"{a.config}, layer 1, {a.sets} steps, {a.weights} weights; peak RSS (MB), fresh process each:")
-        for what in ("loader", "replay"):
+        for what in [a.only] if a.only else ("loader", "replay"):
             for cache in ("default", "0"):
                 e = dict(env)
                 if cache == "0":
