@@ -202,3 +202,41 @@ def test_k2_rejects_comm_and_rank(k2_case):
     assert ei.value.field == "rank"
     ref.k2_launch(key, **a, rank=0, comm=SimWorld(1), scratch=torch.empty(4), epoch=1)  # extras ignored
     assert not torch.isnan(a["out"]).any()
+
+
+# --------------------------------------------------------------------------- oracle with stored-dtype weights
+
+def _bits(a: dict, b: dict, names) -> None:
+    for n in names:
+        x, y = a[n], b[n]
+        assert x.dtype == y.dtype == torch.float64 and torch.equal(x.view(torch.int64), y.view(torch.int64)), n
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_oracle_stored_dtype_weights_same_bits_as_upcast(k1_case, k2_case, fmt):
+    """ref.abi.oracle_args leaves the read-only weights in their stored dtype (no 8.8 GB of
+    float64 copies at k3-tp8); the reference upcasts them exactly at use, so the oracle's
+    taps and outputs are bit-identical to those on ref.upcast'ed weights."""
+    from ref import abi
+
+    cfg = TINY
+    key, kw = k1_case(cfg, layer=1)
+    kept, up = abi.oracle_args(kw), ref.upcast(kw)
+    assert kept["w_in"].dtype == torch.bfloat16 and kept["conv_w"].dtype == kw["conv_w"].dtype
+    assert kept["w_in"].data_ptr() == kw["w_in"].data_ptr()  # not copied
+    assert kept["prefix"].dtype == torch.float64 and kept["rstate"].dtype == torch.float64
+    tk, tu = {}, {}
+    ref.kda_pre(key, **kept, taps=tk, mode="oracle")
+    ref.kda_pre(key, **up, taps=tu, mode="oracle")
+    _bits(kept, up, ("prefix", "blocks", "conv_state", "rstate", "core_out"))
+    _bits(tk, tu, [n for n in tu if isinstance(tu[n], torch.Tensor) and tu[n].is_floating_point()])
+    key2, ranks = k2_case(cfg, fmt=fmt)
+    kept = [dict(abi.oracle_args(a), taps={}) for a in ranks]
+    up = [dict(ref.upcast(a), taps={}) for a in ranks]
+    assert kept[0]["w_gate"].dtype == torch.bfloat16 and kept[0]["bias"].dtype == torch.float32
+    ref.k2_world(key2, kept, mode="oracle")
+    ref.k2_world(key2, up, mode="oracle")
+    for a, b in zip(kept, up):
+        _bits(a, b, ("prefix", "out"))
+        _bits(a["taps"], b["taps"], [n for n in b["taps"] if isinstance(b["taps"][n], torch.Tensor)
+                                     and b["taps"][n].is_floating_point()])

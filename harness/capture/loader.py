@@ -412,15 +412,18 @@ def load_set(path: str | os.PathLike, verify=True, verify_weights=None, device="
     if extra:
         raise InputError("rank", f"rank file(s) {extra} beyond world {world}", str(path))
     caps = [first if r == min(files) else _open_capture(files[r]) for r in range(world)]
-    # 2. the ranks against each other, then config and keys
+    cfg = V.parse_config(first.manifest, first.where)
+    k1, k2 = V.parse_keys(first.manifest, first.where)
+    # 2. each rank's config and keys, then the ranks against each other
+    for c in caps[1:]:
+        V.parse_config(c.manifest, c.where)
+        V.parse_keys(c.manifest, c.where)
     for r, c in enumerate(caps):
         if c.manifest["rank"] != r:
             raise InputError("manifest.rank", f"{c.manifest['rank']} in file rank{r}.safetensors", c.where)
         for k in _CONSISTENT:
             if c.manifest.get(k) != first.manifest.get(k):
                 raise InputError(f"manifest.{k}", f"differs from rank {min(files)}'s", c.where)
-    cfg = V.parse_config(first.manifest, first.where)
-    k1, k2 = V.parse_keys(first.manifest, first.where)
     # 3. weight entries and what they declare; 4. launch shapes, the config as the truth
     entries = []
     for c in caps:
