@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         if dev.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         t_load = time.perf_counter()
-        cs = load_set(path)
+        cs = load_set(path, device=dev)
         step = step_from_set(cs, dev)
         _sync(dev)
         load = time.perf_counter() - t_load
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     res["first_set_s"] = max(r["load_s"] + r["run_s"] + r["judge_s"] for r in first) if first else None
     if len(rows) >= 2 and dev.startswith("cuda"):
         res["peak_ratio_last_vs_2nd"] = rows[-1]["peak_gib"] / rows[1]["peak_gib"]
-    cs = load_set(corpus_order(discover(out))[0])
+    cs = load_set(corpus_order(discover(out))[0], device=dev)
     res["ref_step_ms"] = ref_step_ms(cs, dev, a.repeats)
     res["all_passed"] = all(r["passed"] for r in rows)
     print()

@@ -89,7 +89,7 @@ def measure(captures, seeds: int = 4, device: str = "cpu", progress: bool = True
     from tqdm import tqdm
 
     for path in tqdm(paths, desc="policy derive", unit="set", file=sys.stderr, disable=not progress, leave=False):
-        cs = load_set(path)
+        cs = load_set(path, device=device)
         g = out[(cs.config_name or "?", cs.fmt)]
         g["sets"] += 1
         step = step_from_set(cs, device)

@@ -336,9 +336,14 @@ def run_backend(step: Step, p: Poisoned, backend, timeout: float | None = DEFAUL
     if callable(health):
         errors += [f"backend health: {h}" for h in _deadline(health, timeout, "backend health()")]
     after = _checksums(weights, cached=False)
-    for (n, _), b0, b1 in zip(weights, before, after):
-        if b0 != b1:
-            errors.append(f"backend wrote into its read-only input {n} (weights must not change)")
+    wrote = [(n, t) for (n, t), b0, b1 in zip(weights, before, after) if b0 != b1]
+    for n, t in wrote:
+        errors.append(f"backend wrote into its read-only input {n} (weights must not change)")
+        _BEFORE.pop(id(t), None)
+    if wrote:  # the weights are shared by every set of the layer: later sets load them afresh
+        from .capture import CACHE
+
+        CACHE.clear()
     return side, errors
 
 

@@ -129,8 +129,11 @@ def _device_alive(device: str, wait: float = 10.0) -> bool:
 
 def replay(captures, backend_spec: str = "ref", device: str | None = None, policy_path=None, isolate: bool = True,
            noise: int = 0, progress: bool = True, limit: int | None = None, seed: int = 0,
-           timeout: float | None = DEFAULT_TIMEOUT):
+           timeout: float | None = DEFAULT_TIMEOUT, verify: str = "once"):
     """Replay every capture set under `captures` (a folder, or a list of set folders).
+
+    verify: weight files hashed once per process ("once"), every time ("full") or never
+    ("none"); recipe weights are regenerated on `device` and their digests checked there.
 
     seed: the poisons of set i are drawn from seed + i (the pytest plugin passes the test id's).
     timeout: seconds the backend may take for one capture set (None: no limit); a set that
@@ -181,7 +184,7 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
     wedged = None
     for i, path in enumerate(it):
         t0 = time.perf_counter()
-        cs = load_set(path)
+        cs = load_set(path, verify, device=device)
         cap = CaptureResult(id=cs.name, fmt=cs.fmt, layer=cs.layer, kind=cs.kind, step=cs.step, world=cs.world)
         run.captures.append(cap)
         if wedged:
@@ -299,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, help="replay only the first N capture sets")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                     help=f"seconds the backend may take per capture set (default {DEFAULT_TIMEOUT:g}; 0: no limit)")
+    ap.add_argument("--verify", default="once", choices=("once", "full", "none"),
+                    help="weight checks: once per process (default), full (re-hash every set), none")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
@@ -311,7 +316,7 @@ def cli(argv) -> int:
         raise InputError("--timeout", f"{a.timeout} < 0")
     check_outputs(report=a.report, json=a.json, html=a.html)
     run = replay(a.captures, a.backend, a.device, a.policy, not a.no_isolate, a.noise, progress=not a.quiet,
-                 limit=a.limit, timeout=a.timeout or None)
+                 limit=a.limit, timeout=a.timeout or None, verify=a.verify)
     from . import report
 
     code = run.exit_code()

@@ -270,3 +270,15 @@ def test_weight_checksum_in_chunks_sees_one_word(monkeypatch):
         u = t.clone()
         u.view(torch.int16)[i] ^= 1
         assert not torch.equal(engine._checksum(u), whole), i
+
+
+def test_a_scribbler_does_not_poison_later_sets(sets):
+    """The weights are shared by every set of a layer (the loader's cache): after a backend
+    wrote into them, the next replay in the same process gets pristine weights, so an honest
+    backend is not blamed."""
+    from harness.replay import replay
+
+    kda = _kda(sets)[:1]
+    assert not replay(kda, "planted:SCRIBBLER", "cpu", progress=False).passed
+    run = replay(kda, "ref", "cpu", progress=False)
+    assert run.passed, [c.errors for c in run.captures]

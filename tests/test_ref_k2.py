@@ -74,7 +74,9 @@ def test_stages_isolated(k2_case, fmt, layer):
         # 7. routed experts from the lat / topk taps
         ex = lp.Experts(a0["w13"], a0["w13s"], a0["w2"], a0["w2s"], fmt)
         y = lp.routed(lp.f64(t["lat"]), t["topk_ids"].numpy(), lp.f64(t["topk_w"]), ex, b, lam)
-        lp.assert_bf16("y", t["y"], y)
+        # v (bf16 for int4/bf16) and gu are rounded inside the stage: an fp32-vs-exact flip of
+        # one of them moves y by up to 2 ulps (seen: int4, 5 of 384 elements at 2 ulps)
+        lp.assert_bf16("y", t["y"], y, max_ulp=2)
     # 8. latent all-reduce + norm from every rank's y tap
     ln = lp.rmsnorm(lp.reduce_bf16([lp.f64(t["y"]) for t in taps]), lp.f64(before[0]["ln_w"]), key.ln_eps)
     fins = []

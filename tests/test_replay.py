@@ -76,6 +76,8 @@ def test_cli_exit_codes(tmp_path, capsys, kda_sets):
     assert main(["replay", str(tmp_path / "nope"), "--quiet"]) == 2
     assert main(["replay", one, "--backend", "no_such_module:X", "--quiet"]) == 2
     assert main(["replay", one, "--noise", "-1"]) == 2
+    assert main(["replay", one, "--verify", "full", "--quiet"]) == 0
+    assert main(["replay", one, "--verify", "sometimes", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "--backend" in err and "captures" in err
 
