@@ -182,7 +182,9 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
 
         it = tqdm(paths, desc=f"replay [{name}]", unit="set", file=sys.stderr, leave=False)
     wedged = None
+    cs = step = sr = None
     for i, path in enumerate(it):
+        cs = step = sr = None  # the previous set's tensors go before the next set is read
         t0 = time.perf_counter()
         cs = load_set(path, verify, device=device)
         cap = CaptureResult(id=cs.name, fmt=cs.fmt, layer=cs.layer, kind=cs.kind, step=cs.step, world=cs.world)
@@ -213,7 +215,6 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
         t2 = time.perf_counter()
         judge_run(sr, policy, cap)
         cap.timings["judge"] = time.perf_counter() - t2
-        del sr, step
     run.duration_s = time.perf_counter() - t_run
     return run
 
