@@ -28,7 +28,7 @@ def short_conv(x: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, 
     seq = torch.cat([win, new.to(win.dtype)], dim=-1)  # [R, C, W-1+L], exact (bf16 values)
     # y_j = Σ_q w[c, q]·seq[j+q]
     sf = num.f(seq)
-    wf = num.f(conv_w)
+    wf = num.f(conv_w)  # bf16 or vLLM's fp32 weight, read exactly: fp32 products and sum, one bf16 rounding after silu
     y = torch.stack([num.sum(sf[:, :, j:j + W] * wf) for j in range(L)], dim=-1)  # [R, C, L]
     out = num.bf(F.silu(y)).transpose(1, 2).reshape(S, C)
     keep = W - 2 + L
