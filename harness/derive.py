@@ -39,6 +39,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import ref
+from fast.ref_backend import RefBackend
 
 from .errors import ArgParser, InputError
 
@@ -55,10 +56,10 @@ ISO_FP32 = {("k1", "gate"), ("k1", "beta"), ("k1", "rstate"), ("k2", "logits"), 
 SKIP = {("k2", "topk_ids"), ("k2", "out_ranks"), ("k1", "core_pad")}
 
 
-class PerturbedRef:
-    """The reference with its reduction orders permuted by `seed`: a correct kernel's stand-in."""
-
-    TAPS_K1, TAPS_K2 = ref.abi.K1_TAPS, ref.abi.K2_TAPS
+class PerturbedRef(RefBackend):
+    """The reference with its reduction orders permuted by `seed` (`perturb`: the split-K chunk
+    order of every GEMM and the chunk order of every other fp32 reduction): a correct kernel's
+    stand-in, for the policy derivation and drift's benign reorderings."""
 
     def __init__(self, seed: int):
         self.seed = seed
@@ -179,7 +180,7 @@ def _keys(cs, step, t_ref, t_orc) -> None:
     for a, t in zip(ranks, t_ref):
         a["taps"] = t
     ref.k2_world(cs.k2_key, ranks)
-    oranks = [ref.upcast(a) for a in chain_k2(None, step.k2)]
+    oranks = [ref.abi.oracle_args(a) for a in chain_k2(None, step.k2)]
     for a, t in zip(oranks, t_orc):
         a["taps"] = t
     ref.k2_world(cs.k2_key, oranks, mode="oracle")

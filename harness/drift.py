@@ -50,7 +50,8 @@ from ref.router import select
 from . import drift_policy as dp
 from .errors import InputError
 from .layers import SpecStep, Stack, layer_caches, layer_weights
-from .synth import ACCEPT_MODES, RequestMix, parse_layers
+from .synth import ACCEPT_MODES, RequestMix, batch_shape, stack_layers
+from .synth import check_args as synth_check_args
 
 F64 = torch.float64
 PAIRS = ("br", "ro", "bo")  # backend–reference, reference–oracle, backend–oracle
@@ -78,24 +79,6 @@ DIMS = {"conv": ("rank", "slot", "channel", "pos"), "rstate": ("rank", "slot", "
 def stage_of(tensor: str, kind: str) -> str:
     s = STAGES[tensor]
     return s.get(kind, s["*"])
-
-
-class Perturbed:
-    """A benign reordering: the reference with its reduction orders permuted (`perturb=seed`: the
-    split-K chunk order of every GEMM and the chunk order of every other fp32 reduction)."""
-
-    TAPS_K1 = ref.abi.K1_TAPS
-    TAPS_K2 = ref.abi.K2_TAPS
-
-    def __init__(self, seed: int):
-        self.seed = seed
-        self.name = f"ref-perturb{seed}"
-
-    def kda_pre(self, key, **a):
-        ref.kda_pre(key, **a, perturb=self.seed)
-
-    def k2_launch(self, key, **a):
-        ref.k2_launch(key, **a, perturb=self.seed)
 
 
 @dataclass
@@ -288,34 +271,21 @@ def _worst(tensor, b, o, carries, rows: _Rows, L: int) -> dict:
 # ----------------------------------------------------------------------------- the run
 
 def _load_backend(spec):
-    from fast import BackendError, available, backend_name, load_backend
+    from fast import backend_name
+
+    from .replay import checked_backend
 
     if not isinstance(spec, str):
         return spec, backend_name(spec)
-    try:
-        b = load_backend(spec)
-    except BackendError as e:
-        raise InputError("backend", str(e).split(": ", 1)[-1]) from None
-    ok, why = available(b)
-    if not ok:
-        raise InputError("backend", f"{spec} is not available here: {why}")
+    b = checked_backend(spec, "backend")
     return b, backend_name(b, spec)
 
 
 def check_args(cfg: Config, steps: int, num_spec: int, experts: str, accept: str, requests: int, padding: int,
                lifetime: int) -> None:
-    if steps < 1:
-        raise InputError("steps", f"{steps} < 1")
-    if num_spec < 0:
-        raise InputError("num-spec", f"{num_spec} < 0")
-    if experts not in EXPERT_FORMATS:
-        raise InputError("experts", f"{experts!r} not in {', '.join(EXPERT_FORMATS)}")
+    synth_check_args(cfg, steps, num_spec, experts, requests, padding)
     if accept not in ACCEPT_MODES:
         raise InputError("accept", f"{accept!r} not in {', '.join(ACCEPT_MODES)}")
-    if requests < 1:
-        raise InputError("requests", f"{requests} < 1")
-    if not 0 <= padding < requests:
-        raise InputError("padding", f"{padding} outside 0..{requests - 1} (at least one live request)")
     if lifetime < 0:
         raise InputError("lifetime", f"{lifetime} < 0")
 
@@ -328,14 +298,8 @@ def drift(config, layers, steps: int = 256, num_spec: int = 3, backend="ref", *,
     judge=False, which only measures). layers: 'a-b', a list, or None for every layer."""
     t_setup = time.perf_counter()
     cfg = config if isinstance(config, Config) else _config(config)
-    if layers is None:
-        layers = list(range(cfg.layers))
-    layers = parse_layers(layers, cfg) if isinstance(layers, str) else list(layers)
-    if not layers or layers != list(range(layers[0], layers[0] + len(layers))) or layers[-1] >= cfg.layers:
-        raise InputError("layers", f"{layers} is not a stack of consecutive layers of {cfg.name}")
-    L = num_spec + 1
-    R = requests if requests is not None else max(1, 8 // L)
-    pad = padding if padding is not None else (1 if R >= 2 else 0)
+    layers = stack_layers(cfg, layers)
+    L, R, pad = batch_shape(num_spec, requests, padding)
     check_args(cfg, steps, num_spec, experts, accept, R, pad, lifetime)
     bk, bname = _load_backend(backend)
     if tie_eps is None:
@@ -527,33 +491,23 @@ def _agreement(i, b, r, o, rows, dev) -> list[torch.Tensor]:
             nan if bid is None else agree(bid, oid.to(bid.device))]
 
 
+# exact rules: what a nonzero count of differing elements means
+COUNTED = {"out_ranks": "of out differ between ranks (must be bit-identical)",
+           "k1_carry": "of K1's prefix/bank differ from the reference's (bookkeeping: must be bit-identical)",
+           "core_padding": "of padding rows are not 0"}
+
+
 def _record(run: DriftRun, t: int, keys, host, forced, cfg, judge: bool) -> list[Failure]:
     """Append this step's numbers to the series; return what fails the policy (layer order)."""
     fails = []
     pos = 0
     for i, tensor in keys:
         kind = cfg.kind(i)
-        if tensor == "out_ranks":
+        if tensor in COUNTED:
             n = host[pos]
             pos += 1
             if n:
-                fails.append(Failure(t, i, kind, tensor, stage_of(tensor, kind),
-                                     f"{int(n)} element(s) of out differ between ranks (must be bit-identical)"))
-            continue
-        if tensor == "k1_carry":
-            n = host[pos]
-            pos += 1
-            if n:
-                fails.append(Failure(t, i, kind, tensor, stage_of(tensor, kind),
-                                     f"{int(n)} element(s) of K1's prefix/bank differ from the reference's "
-                                     f"(bookkeeping: must be bit-identical)"))
-            continue
-        if tensor == "core_padding":
-            n = host[pos]
-            pos += 1
-            if n:
-                fails.append(Failure(t, i, kind, tensor, stage_of(tensor, kind),
-                                     f"{int(n)} element(s) of padding rows are not 0"))
+                fails.append(Failure(t, i, kind, tensor, stage_of(tensor, kind), f"{int(n)} element(s) {COUNTED[tensor]}"))
             continue
         if tensor == "routing":
             br, ro, bo = host[pos:pos + 3]

@@ -59,13 +59,14 @@ def measure(steps: int, seeds, formats, config: str = "tiny", layers: str | None
             lifetime: int = 64, accept: str = "random", progress: bool = True, chain: bool = False) -> dict:
     """Benign reorderings closed-loop: per tensor, the worst ratio d_bo / d_ro where d_ro is at
     least 1e-4 (above the floor's scale), and the worst d_bo where it is not."""
-    from .drift import Perturbed, drift
+    from .derive import PerturbedRef
+    from .drift import drift
 
     out: dict = {t: {"ratio_max": 0.0, "small_ro_bo_max": 0.0, "at": None} for t in TENSORS}
     runs = []
     for fmt in formats:
         for s in seeds:
-            run = drift(config, layers, steps, num_spec, Perturbed(s), experts=fmt, accept=accept, lifetime=lifetime,
+            run = drift(config, layers, steps, num_spec, PerturbedRef(s), experts=fmt, accept=accept, lifetime=lifetime,
                         seed=1000 + s, progress=progress, judge=False, chain=chain)
             runs.append({"experts": fmt, "perturb": s, "steps": run.steps_run, "seconds": round(run.seconds, 1)})
             for (layer, tensor), ser in run.series.items():

@@ -29,10 +29,10 @@ def run(cfg_name="tiny", experts="mxfp4", layer=1, requests=2, qlen=4, seed=0, d
     if not 0 <= layer < cfg.layers or cfg.is_mla(layer):
         raise InputError("--layer", f"{layer} is not a KDA layer of {cfg.name} (0..{cfg.layers - 1})")
     k1k, k1s, k2k, k2s = step_inputs(cfg, layer, requests, qlen, experts, seed, device)
-    orc1 = [ref.upcast(a) for a in k1s]
+    orc1 = [ref.abi.oracle_args(a) for a in k1s]  # weights stay shared in their stored dtype
     orc2 = []
     for a, o in zip(k2s, orc1):
-        b = ref.upcast(a)
+        b = ref.abi.oracle_args(a)
         b.update(core=o["core_out"], prefix=o["prefix"], blocks=o["blocks"])
         orc2.append(b)
     taps = {"exact": ([{} for _ in k1s], [{} for _ in k2s]), "oracle": ([{} for _ in k1s], [{} for _ in k2s])}

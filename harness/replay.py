@@ -127,6 +127,20 @@ def _device_alive(device: str, wait: float = 10.0) -> bool:
         return False
 
 
+def checked_backend(spec: str, field: str = "--backend"):
+    """The backend `spec` names, loaded and available here (else InputError: exit 2)."""
+    from fast import BackendError, available, load_backend
+
+    try:
+        backend = load_backend(spec)
+    except BackendError as e:
+        raise InputError(field, str(e).split(": ", 1)[-1]) from None
+    ok, why = available(backend)
+    if not ok:
+        raise InputError(field, f"{spec} is not available here: {why}")
+    return backend
+
+
 def replay(captures, backend_spec: str = "ref", device: str | None = None, policy_path=None, isolate: bool = True,
            noise: int = 0, progress: bool = True, limit: int | None = None, seed: int = 0,
            timeout: float | None = DEFAULT_TIMEOUT, verify: str = "once"):
@@ -138,7 +152,7 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
     seed: the poisons of set i are drawn from seed + i (the pytest plugin passes the test id's).
     timeout: seconds the backend may take for one capture set (None: no limit); a set that
     runs over fails with the reason and the run goes on (exit 3)."""
-    from fast import BackendError, available, backend_name, load_backend
+    from fast import backend_name
 
     from .capture import discover, load_set
     from .policy import load_policy
@@ -150,13 +164,7 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
         raise InputError("--noise", f"{noise} < 0")
     if timeout is not None and not timeout > 0:
         raise InputError("--timeout", f"{timeout} is not a positive number of seconds")
-    try:
-        backend = load_backend(backend_spec)
-    except BackendError as e:
-        raise InputError("--backend", str(e).split(": ", 1)[-1]) from None
-    ok, why = available(backend)
-    if not ok:
-        raise InputError("--backend", f"{backend_spec} is not available here: {why}")
+    backend = checked_backend(backend_spec)
     device = resolve_device(device)
     policy = load_policy(policy_path)
     if isinstance(captures, (str, os.PathLike)):

@@ -164,8 +164,9 @@ class RequestMix:
         return MixStep(st, na, list(self.live), tuple(fresh), events)
 
 
-def _check_args(cfg: Config, steps: int, num_spec: int, experts: str, requests: int, padding: int,
-                num_acc) -> None:
+def check_args(cfg: Config, steps: int, num_spec: int, experts: str, requests: int, padding: int,
+                num_acc=None) -> None:
+    """The run's shape against the config (InputError naming the field)."""
     if experts not in EXPERT_FORMATS:
         raise InputError("experts", f"{experts!r} not in {', '.join(EXPERT_FORMATS)}")
     if steps < 1:
@@ -288,6 +289,23 @@ class _Launches:
         self.name = "ref" if (kda_pre, k2_launch) == (ref.kda_pre, ref.k2_launch) else "launches"
 
 
+def stack_layers(cfg: Config, layers) -> list[int]:
+    """Consecutive layers of cfg ('a-b', a list, or None for every layer), else InputError."""
+    if layers is None:
+        layers = list(range(cfg.layers))
+    layers = parse_layers(layers, cfg) if isinstance(layers, str) else list(layers)
+    if not layers or layers != list(range(layers[0], layers[0] + len(layers))) or layers[-1] >= cfg.layers:
+        raise InputError("layers", f"{layers} is not a stack of consecutive layers of {cfg.name}")
+    return layers
+
+
+def batch_shape(num_spec: int, requests: int | None, padding: int | None) -> tuple[int, int, int]:
+    """(L, R, padding rows): R defaults to max(1, 8 // L) so S = R·L ≤ 8; padding to 1 when R ≥ 2."""
+    L = num_spec + 1
+    R = requests if requests is not None else max(1, 8 // L)
+    return L, R, padding if padding is not None else (1 if R >= 2 else 0)
+
+
 def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts: str, seed: int, out,
                requests: int | None = None, padding: int | None = None, world: int | None = None,
                device="cpu", progress: bool = True, num_acc=None, git: bool = True,
@@ -314,15 +332,9 @@ def synthesize(config: str | Config, layers, steps: int, num_spec: int, experts:
             cfg = cfg.with_world(world)
         except ValueError as e:
             raise InputError("world", str(e)) from None
-    if layers is None:
-        layers = list(range(cfg.layers))
-    layers = parse_layers(layers, cfg) if isinstance(layers, str) else list(layers)
-    if not layers or layers != list(range(layers[0], layers[0] + len(layers))) or layers[-1] >= cfg.layers:
-        raise InputError("layers", f"{layers} is not a stack of consecutive layers of {cfg.name}")
-    L = num_spec + 1
-    R = requests if requests is not None else max(1, 8 // L)
-    pad = padding if padding is not None else (1 if R >= 2 else 0)
-    _check_args(cfg, steps, num_spec, experts, R, pad, num_acc)
+    layers = stack_layers(cfg, layers)
+    L, R, pad = batch_shape(num_spec, requests, padding)
+    check_args(cfg, steps, num_spec, experts, R, pad, num_acc)
     if after is None:
         after = not cfg.name.startswith("k3")
     out = Path(out)

@@ -30,16 +30,21 @@ def ordered_sum(parts: Sequence[torch.Tensor], order: Sequence[int] | None = Non
     return acc
 
 
+def rank_order(world: int, order: Sequence[int] | None = None) -> list[int]:
+    """The order an in-process world sums its ranks in (default 0..world-1); ValueError if bad."""
+    if world not in (1, 2, 4, 8):
+        raise ValueError(f"world: {world} not in 1, 2, 4, 8")
+    order = list(order) if order is not None else list(range(world))
+    if sorted(order) != list(range(world)):
+        raise ValueError(f"order: {order} is not a permutation of 0..{world - 1}")
+    return order
+
+
 class SimWorld:
     """In-process world of `world` ranks; each rank calls from its own thread."""
 
     def __init__(self, world: int, order: Sequence[int] | None = None, timeout: float = 600.0):
-        if world not in (1, 2, 4, 8):
-            raise ValueError(f"world: {world} not in 1, 2, 4, 8")
-        self.world = world
-        self.order = list(order) if order is not None else list(range(world))
-        if sorted(self.order) != list(range(world)):
-            raise ValueError(f"order: {self.order} is not a permutation of 0..{world - 1}")
+        self.world, self.order = world, rank_order(world, order)
         self._slots: list[torch.Tensor | None] = [None] * world
         self._result: torch.Tensor | None = None
         self._bar = threading.Barrier(world, timeout=timeout)

@@ -18,21 +18,11 @@ import math
 import torch
 
 import ref
+from fast.ref_backend import RefBackend
 
 
-class _Bug:
-    TAPS_K1 = ref.abi.K1_TAPS
-    TAPS_K2 = ref.abi.K2_TAPS
+class _Bug(RefBackend):
     name = "bug"
-
-    def available(self):
-        return True, ""
-
-    def kda_pre(self, key, **a):
-        ref.kda_pre(key, **a)
-
-    def k2_launch(self, key, **a):
-        ref.k2_launch(key, **a)
 
 
 def _live_rows(a) -> list[int]:

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 import ref
-from ref import abi
 from ref.comm import SimWorld
+
+from fast.ref_backend import RefBackend
 
 REF = Path(ref.__file__).resolve().parent
 _ids = itertools.count()
@@ -32,10 +33,8 @@ def _private(name: str):
     return mod
 
 
-class Mutant:
+class Mutant(RefBackend):
     """The reference with `k1` / `k2` patches ({global name: wrapper(real) -> replacement})."""
-
-    TAPS_K1, TAPS_K2 = abi.K1_TAPS, abi.K2_TAPS
 
     def __init__(self, name: str, born, k1=None, k2=None, benign: bool = False, needs=None, doc: str = ""):
         self.name, self.born, self.benign, self.needs, self.doc = name, born, benign, needs or {}, doc
@@ -44,9 +43,6 @@ class Mutant:
         for mod, patches in ((self._k1, k1 or {}), (self._k2, k2 or {})):
             for g, wrap in patches.items():
                 setattr(mod, g, wrap(getattr(mod, g)))
-
-    def available(self):
-        return True, ""
 
     def kda_pre(self, key, **a):
         self._k1.kda_pre(key, **a)
@@ -288,17 +284,8 @@ def benign() -> list[Mutant]:
     ]
 
 
-class _Harmful:
-    TAPS_K1, TAPS_K2 = abi.K1_TAPS, abi.K2_TAPS
-
-    def available(self):
-        return True, ""
-
-    def kda_pre(self, key, **a):
-        ref.kda_pre(key, **a)
-
-    def k2_launch(self, key, **a):
-        ref.k2_launch(key, **a)
+class _Harmful(RefBackend):
+    """The reference backend, with one fault added by each subclass."""
 
 
 class Hung(_Harmful):

@@ -13,7 +13,8 @@ import drift_bugs as db
 import ref
 from harness import drift_report as rep
 from harness.cli import main as cli_main
-from harness.drift import Perturbed, drift
+from harness.derive import PerturbedRef
+from harness.drift import drift
 from harness.replay import replay
 
 pytestmark = pytest.mark.cpu
@@ -76,7 +77,7 @@ def test_planted_slow_bugs_are_caught_by_a_replay_too(captures, monkeypatch, nam
 
 def test_benign_reorderings_pass_short():
     for s in (1, 2):
-        run = drift("tiny", None, 24, 3, Perturbed(s), experts="int4", seed=40 + s, progress=False)
+        run = drift("tiny", None, 24, 3, PerturbedRef(s), experts="int4", seed=40 + s, progress=False)
         assert run.passed, run.failures[0].line()
         assert any(v for ser in run.series.values() for v in ser["br"] if v)  # it did differ from ref
 
@@ -84,7 +85,7 @@ def test_benign_reorderings_pass_short():
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 def test_benign_reorderings_pass_256_steps(fmt):
-    run = drift("tiny", None, 256, 3, Perturbed(3), experts=fmt, seed=77, progress=False)
+    run = drift("tiny", None, 256, 3, PerturbedRef(3), experts=fmt, seed=77, progress=False)
     assert run.passed and run.steps_run == 256, run.failures[0].line() if run.failures else ""
 
 
@@ -166,7 +167,7 @@ def test_reports(tmp_path, capsys):
 
 
 def test_chain_mode_is_measured_not_judged_by_ratio():
-    run = drift("tiny", "1-3", 3, 3, Perturbed(1), chain=True, progress=False)
+    run = drift("tiny", "1-3", 3, 3, PerturbedRef(1), chain=True, progress=False)
     assert run.passed and run.chain and any("chain" in n for n in run.notes)
     assert math.isfinite(max(x for s in run.series.values() for x in s["bo"] if x is not None))
     assert "chain" in rep.summary_line(run)

@@ -133,9 +133,9 @@ def e2m1_round(y):
 
 
 @triton.jit
-def mx_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
-    """MXFP4 fake-quant of v [SP, BN] per 32 columns -> (E2M1 values [SP, BN] fp32 with the
-    scale taken out, scale codes [SP, BN/32] int32)."""
+def _mx_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr):
+    """MX fake-quant of v [SP, BN] per 32 columns -> (element values [SP, BN] fp32 with the scale
+    taken out: E4M3 if FP8 else E2M1, E8M0 scale codes [SP, BN/32] int32)."""
     G: tl.constexpr = BN // 32
     grp = tl.arange(0, BN) // 32
     rg = tl.arange(0, G)
@@ -143,11 +143,26 @@ def mx_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
     inv = tl.zeros((SP, BN), dtype=tl.float32)
     codes = tl.zeros((SP, G), dtype=tl.int32)
     for g in tl.static_range(G):
-        code = mx_code(tl.max(tl.where((grp == g)[None, :], av, 0.0), axis=1))  # [SP]
-        # 2^(127-code): exact power of two (code 254 only for amax >= 6·2^126, read as 0)
+        amax = tl.max(tl.where((grp == g)[None, :], av, 0.0), axis=1)  # [SP]
+        if FP8:
+            code = mx8_code(amax)
+        else:
+            code = mx_code(amax)
+        # 2^(127-code): an exact power of two (FP4: code 254 only for amax >= 6·2^126, read as 0;
+        # FP8: code <= 246 for any fp32 amax)
         inv = tl.where((grp == g)[None, :], ((254 - code) << 23).to(tl.float32, bitcast=True)[:, None], inv)
         codes = tl.where((rg == g)[None, :], code[:, None], codes)
-    return e2m1_round(v * inv), codes
+    if FP8:
+        q = e4m3_round(v * inv)
+    else:
+        q = e2m1_round(v * inv)
+    return q, codes
+
+
+@triton.jit
+def mx_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
+    """MXFP4 fake-quant of v [SP, BN] per 32 columns (ref.quant.mx_fake_quant)."""
+    return _mx_quant_rows(v, SP, BN, False)
 
 
 @triton.jit
@@ -174,20 +189,8 @@ def e4m3_round(y):
 
 @triton.jit
 def mx8_quant_rows(v, SP: tl.constexpr, BN: tl.constexpr):
-    """MXFP8 (E4M3, E8M0 per 32) fake-quant of v [SP, BN] -> (E4M3 values [SP, BN] fp32 with the
-    scale taken out, scale codes [SP, BN/32] int32); ref.quant.mx8_fake_quant."""
-    G: tl.constexpr = BN // 32
-    grp = tl.arange(0, BN) // 32
-    rg = tl.arange(0, G)
-    av = tl.abs(v)
-    inv = tl.zeros((SP, BN), dtype=tl.float32)
-    codes = tl.zeros((SP, G), dtype=tl.int32)
-    for g in tl.static_range(G):
-        code = mx8_code(tl.max(tl.where((grp == g)[None, :], av, 0.0), axis=1))  # [SP]
-        # 2^(127-code), an exact power of two (code <= 246 for any fp32 amax)
-        inv = tl.where((grp == g)[None, :], ((254 - code) << 23).to(tl.float32, bitcast=True)[:, None], inv)
-        codes = tl.where((rg == g)[None, :], code[:, None], codes)
-    return e4m3_round(v * inv), codes
+    """MXFP8 (E4M3, E8M0 per 32) fake-quant of v [SP, BN]; ref.quant.mx8_fake_quant."""
+    return _mx_quant_rows(v, SP, BN, True)
 
 
 @triton.jit

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ref.comm import rank_order
+
 from ._host import _launch
 
 BLOCK = 1024
@@ -50,12 +52,7 @@ class DeviceWorld:
     is enqueued before any rank can enqueue the copies of the next one."""
 
     def __init__(self, world: int, order: Sequence[int] | None = None, timeout: float = 600.0):
-        if world not in (1, 2, 4, 8):
-            raise ValueError(f"world: {world} not in 1, 2, 4, 8")
-        self.world = world
-        self.order = list(order) if order is not None else list(range(world))
-        if sorted(self.order) != list(range(world)):
-            raise ValueError(f"order: {self.order} is not a permutation of 0..{world - 1}")
+        self.world, self.order = world, rank_order(world, order)
         self._bar = threading.Barrier(world, timeout=timeout)
         self._stacks: dict = {}
         self._orders: dict = {}
