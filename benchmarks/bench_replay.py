@@ -40,6 +40,22 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _profiler(on: bool):
+    """call(what, fn, *args) -> fn(*args); with `on`, under cProfile, printing the top 40."""
+    def call(what, fn, *args, **kw):
+        if not on:
+            return fn(*args, **kw)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        out = prof.runcall(fn, *args, **kw)
+        print(f"--- profile: {what}")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        return out
+    return call
+
+
 def ref_step_ms(cs, device, repeats: int) -> list[float]:
     """The exact reference on one capture set: K1 of every rank then K2 of the world."""
     import ref
@@ -85,10 +101,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--synth-only", action="store_true", help="make the corpus (timed) and stop")
     ap.add_argument("--captures", help="replay this corpus instead of making one")
+    ap.add_argument("--profile", type=int, metavar="N", help="profile set N's load, run and judge (cProfile, top 40 each)")
     a = ap.parse_args(argv)
     from harness.capture import discover, load_set
     from harness.policy import load_policy
-    from harness.replay import corpus_order, judge_run, step_from_set
+    from harness.replay import corpus_order, judge_run, retire_layers, step_from_set
     from harness.results import CaptureResult
     from harness.engine import run_step
     from harness.synth import synthesize
@@ -120,22 +137,24 @@ def main(argv=None) -> int:
     policy = load_policy()
     rows = []
     seen_layers = set()
-    for i, path in enumerate(corpus_order(discover(out))):
+    for i, path in enumerate(retire_layers(corpus_order(discover(out)))):
         if dev.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
+        prof = _profiler(a.profile == i + 1)
         t_load = time.perf_counter()
-        cs = load_set(path, device=dev)
+        cs = prof("load", load_set, path, device=dev)
         step = step_from_set(cs, dev)
         _sync(dev)
         load = time.perf_counter() - t_load
         t_run = time.perf_counter()
-        sr = run_step(step, backend, isolate=not a.no_isolate, seed=i, tie_eps=policy.tie_eps(cs.fmt, cs.config_name))
+        sr = prof("run", run_step, step, backend, isolate=not a.no_isolate, seed=i,
+                  tie_eps=policy.tie_eps(cs.fmt, cs.config_name))
         _sync(dev)
         run = time.perf_counter() - t_run
         cap = CaptureResult(id=cs.name, fmt=cs.fmt, layer=cs.layer, kind=cs.kind, step=cs.step, world=cs.world)
         cap.errors += sr.errors
         t_judge = time.perf_counter()
-        judge_run(sr, policy, cap)
+        prof("judge", judge_run, sr, policy, cap)
         judge = time.perf_counter() - t_judge
         del sr, step
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if dev.startswith("cuda") else float("nan")

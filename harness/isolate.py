@@ -78,3 +78,19 @@ def k2_feed_run(key, ranks: list[dict], feeds: list[dict], **kw) -> tuple[list[d
 def k2_isolated(key, ranks: list[dict], bts: list[dict]) -> list[dict]:
     """ranks: every rank's K2 inputs before the launch; bts: the backend's K2 taps per rank."""
     return k2_feed_run(key, ranks, bts)[0]
+
+
+def delta_ulp_unit(key, ranks: list[dict], delta: torch.Tensor) -> torch.Tensor:
+    """max_ulp's unit for isolated delta = bf(Σ_r bf(core_r @ w_o_r)): each partial of a correct
+    kernel may sit one ulp away (its own GEMV order), and a sum that cancels keeps those
+    operand ulps, so the unit is ulp(delta) + Σ_r ulp(partial_r) (float64, [S, H])."""
+    from ref._num import Num
+    from ref.o_proj import o_proj_partial
+
+    from .metrics import bf16_ulp_t
+
+    num = Num("exact")
+    unit = bf16_ulp_t(delta.to(torch.float64).abs())
+    for a in ranks:
+        unit = unit + bf16_ulp_t(o_proj_partial(a["core"], a["w_o"], num).to(torch.float64).abs()).to(unit.device)
+    return unit

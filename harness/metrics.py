@@ -166,6 +166,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def bf16_ulp_t(rb: torch.Tensor) -> torch.Tensor:
+    """bf16 spacing at |bf16 values| rb (float64 in and out), on rb's device."""
+    return _ulp_t(rb.to(F64))
+
+
 def _ulp_t(rb: torch.Tensor) -> torch.Tensor:
     """bf16 spacing at rb = |bf16 value| (float64, >= 0, may be 0/inf): 2^(e-7), e = floor(log2 rb)
     clamped to [-126, 127], from the float64 exponent field (exact on every device)."""
@@ -221,15 +226,20 @@ def resolve(pending: list) -> list[dict]:
 
 
 def compare_lazy(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol_rms: float = 0.0,
-                 detail: bool = True) -> Pending:
+                 detail: bool = True, ulp_unit=None) -> Pending:
     """`compare` without the host transfer: every metric is computed where `a` lives (b is moved
-    there if it is elsewhere) into one float64 vector; `resolve` turns it into the dict."""
+    there if it is elsewhere) into one float64 vector; `resolve` turns it into the dict.
+
+    ulp_unit: b's shape, float64: the smallest unit max_ulp counts in per element (a sum of
+    rounded operands errs in the operands' ulps, not in the sum's: see `harness.isolate`)."""
     a, b = _t(a), _t(b)
     if tuple(a.shape) != tuple(b.shape):
         raise ShapeMismatch(f"shape {tuple(a.shape)} (candidate) != {tuple(b.shape)} (reference)")
     names = dim_names(dims, a.dim())
     if b.device != a.device:
         b = b.to(a.device)
+    if ulp_unit is not None and tuple(ulp_unit.shape) != tuple(b.shape):
+        raise ShapeMismatch(f"ulp unit shape {tuple(ulp_unit.shape)} != {tuple(b.shape)} (reference)")
     meta = dict(n=a.numel(), shape=list(a.shape), names=names, dtype_a=_dn(a), dtype_b=_dn(b),
                 dtype_match=a.dtype == b.dtype, is_float=a.is_floating_point(),
                 is_int=not (a.is_floating_point() or b.is_floating_point()),
@@ -243,15 +253,15 @@ def compare_lazy(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol
     fin = torch.isfinite(fa) & torch.isfinite(fb)
     nonfin_bad = ~fin & ~value_eq  # one side non-finite and not the same value
     n = fa.numel()
-    n_eq = value_eq.sum()
+    n_eq = value_eq.sum(dtype=F64)  # counts as float64 (exact below 2^53): one stack, no casts
     if not meta["dtype_match"]:
         n_differ = n - n_eq
     else:
-        n_differ = (_bits(a) != _bits(b)).sum()
+        n_differ = (_bits(a) != _bits(b)).sum(dtype=F64)
     zero = torch.zeros((), dtype=F64, device=fa.device)
     x, y = torch.where(fin, fa, zero), torch.where(fin, fb, zero)
     d = (x - y).abs()
-    n_fin = fin.sum()
+    n_fin = fin.sum(dtype=F64)
     sum_d2, sum_b2, sum_a2, sum_ab = d @ d, y @ y, x @ x, x @ y
     any_bad = nonfin_bad.any()
     # ulps of the reference, floored at ULP_FLOOR_RMS * rms(b) (see module doc)
@@ -260,13 +270,16 @@ def compare_lazy(a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol
         ulp_full = d
     else:
         rb = y.abs() if b.dtype == torch.bfloat16 else y.to(torch.bfloat16).to(F64).abs()
-        ulp_full = d / _ulp_t(torch.maximum(rb, ULP_FLOOR_RMS * rms))
+        unit = _ulp_t(torch.maximum(rb, ULP_FLOOR_RMS * rms))
+        if ulp_unit is not None:
+            unit = torch.maximum(unit, _t(ulp_unit).reshape(-1).to(device=fa.device, dtype=F64))
+        ulp_full = d / unit
     ulp_full = torch.where(nonfin_bad, torch.full_like(ulp_full, math.inf), ulp_full)
     absy = y.abs()
-    n_ok = ((d <= atol + atol_rms * rms + rtol * absy) & fin).sum() + (value_eq & ~fin).sum()
-    parts = [n_eq, n_differ, nan_a.sum(), nan_b.sum(), inf_a.sum(), inf_b.sum(), sum_d2, sum_b2, sum_a2, sum_ab,
-             d.max(), d.sum(), n_fin, ulp_full.max(), n_ok, absy.max(), any_bad]
-    vec = [torch.stack([torch.as_tensor(v, device=fa.device).to(F64) for v in parts])]
+    n_ok = ((d <= atol + atol_rms * rms + rtol * absy) & fin).sum(dtype=F64) + (value_eq & ~fin).sum(dtype=F64)
+    parts = [n_eq, n_differ, nan_a.sum(dtype=F64), nan_b.sum(dtype=F64), inf_a.sum(dtype=F64), inf_b.sum(dtype=F64),
+             sum_d2, sum_b2, sum_a2, sum_ab, d.max(), d.sum(), n_fin, ulp_full.max(), n_ok, absy.max(), any_bad.to(F64)]
+    vec = [torch.stack(parts)]
     if detail:
         wi = torch.where(any_bad, torch.argmax(nonfin_bad.to(torch.int8)), torch.argmax(d))
         wu = torch.argmax(ulp_full)
@@ -394,6 +407,55 @@ def compare_routing(ids_a, ids_b, keys, tie_eps: float, dims="topk_ids", key_err
     return m
 
 
+def compare_picks(ids_a, ids_b, logits, bias, tie_eps: float, dims="topk_ids") -> dict:
+    """Top-k picks of candidate `ids_a` vs reference `ids_b` [S, K] made from the same fp32
+    `logits` [S, E] (the isolated view). The reference keys key = fp32(σ(logit) + bias) order
+    them; a correct kernel's own σ may sit a few fp32 ulps away, so a token passes when its
+    candidate picks are a top-k under keys moved by at most `tie_eps`:
+    - K distinct experts, each missing or extra one within tie_eps of the K-th key;
+    - every earlier pick's key >= every later pick's key - tie_eps;
+    - among experts with bit-identical logit and bias (equal keys in any implementation)
+      the lowest ids picked, in ascending order.
+    Adds to compare(ids_a, ids_b) the keys judge reads as routing: set_diff_tokens (tokens
+    whose picks differ), untied_tokens (tokens that fail, must be 0), untied_list,
+    boundary_gap (the largest key gap a passing difference spans), tie_eps."""
+    ia, ib = _t(ids_a).to(torch.int64).cpu(), _t(ids_b).to(torch.int64).cpu()
+    m = compare(ia, ib, dims=dims)
+    lg = _t(logits).to(torch.float32).cpu()
+    bs = _t(bias).to(torch.float32).cpu()
+    key = (torch.sigmoid(lg) + bs).to(F64)
+    key = torch.where(torch.isnan(key), torch.full_like(key, -math.inf), key)
+    E = key.shape[1]
+    K = ia.shape[1] if ia.dim() == 2 else 0
+    differ, bad, gap_max = 0, [], 0.0
+    for t in range(ia.shape[0]):
+        la, lb = ia[t].tolist(), ib[t].tolist()
+        if la == lb:
+            continue
+        differ += 1
+        if len(set(la)) != K or not all(0 <= e < E for e in la):
+            bad.append(t)
+            continue
+        kth = float(key[t, lb[-1]])
+        gap = max([abs(float(key[t, e]) - kth) for e in set(la) ^ set(lb)], default=0.0)
+        kc = key[t, la]
+        later_above = (kc[None, :] - kc[:, None]).triu(1)  # [i, j]: key of later pick j above earlier i
+        gap = max(gap, float(later_above.max()))
+        twin = (lg[t, la][:, None] == lg[t, la][None, :]) & (bs[la][:, None] == bs[la][None, :])
+        ids_t = torch.tensor(la)
+        twin_desc = bool((twin & (ids_t[:, None] > ids_t[None, :])).triu(1).any())
+        for c in la:  # a pick whose lower-id twin was left out
+            tw = ((lg[t] == lg[t, c]) & (bs == bs[c])).nonzero().flatten().tolist()
+            twin_desc |= any(e < c and e not in la for e in tw)
+        if gap > tie_eps or twin_desc or math.isnan(gap):
+            bad.append(t)
+        else:
+            gap_max = max(gap_max, gap)
+    m.update(sets_equal=not differ, set_diff_tokens=differ, tied_tokens=[], untied_tokens=len(bad),
+             untied_list=bad, boundary_gap=gap_max, tie_eps=float(tie_eps), tie_window=float(tie_eps))
+    return m
+
+
 def align_by_ids(ids_a, vals_a, ids_b) -> torch.Tensor:
     """vals_a [S, K] reordered per token so its ids follow ids_b's order.
 
@@ -407,6 +469,6 @@ def align_by_ids(ids_a, vals_a, ids_b) -> torch.Tensor:
     return va
 
 
-__all__ = ["compare", "compare_lazy", "resolve", "Pending", "compare_routing", "scalars", "align_by_ids", "bf16_ulp", "dim_names", "locate",
+__all__ = ["compare", "compare_lazy", "resolve", "Pending", "compare_routing", "compare_picks", "scalars", "align_by_ids", "bf16_ulp", "bf16_ulp_t", "dim_names", "locate",
            "ShapeMismatch", "SCALAR_METRICS", "HIGHER_IS_BETTER", "ULP_EDGES", "ULP_BINS",
            "MAG_EDGES", "MAG_BINS"]

@@ -49,7 +49,7 @@ def judge_run(step_run, policy, cap) -> None:
     """Turn the engine's pairs into judged Comparisons on `cap` (a results.CaptureResult): every
     metric computed on the pairs' device, one host transfer for the whole step. A pair that
     cannot be compared (a tap of the wrong shape) is a capture error, not a traceback."""
-    from .metrics import ShapeMismatch, compare_lazy, resolve
+    from .metrics import ShapeMismatch, compare_lazy, compare_picks, resolve
     from .results import Comparison
 
     st = step_run.step
@@ -59,7 +59,10 @@ def judge_run(step_run, policy, cap) -> None:
         try:
             routing = p.stage == "k2" and p.name == "topk_ids" and p.view == "chained" and p.rank in step_run.routing
             kw = policy.compare_kw(p.stage, p.name, st.fmt, p.view, config)
-            main = None if routing else compare_lazy(p.cand, p.ref, p.dims, **kw)
+            if p.keys_from is not None:
+                win = policy.criteria(p.stage, p.name, st.fmt, p.view, config).get("tie_eps") or 0.0
+                routing = compare_picks(p.cand, p.ref, *p.keys_from, float(win), p.dims)
+            main = None if routing else compare_lazy(p.cand, p.ref, p.dims, **kw, ulp_unit=p.ulp_unit)
             orc = None
             if p.oracle is not None and p.cand.is_floating_point():
                 orc = (compare_lazy(p.cand, p.oracle, p.dims, detail=False),
@@ -73,7 +76,7 @@ def judge_run(step_run, policy, cap) -> None:
         pending += [x for x in (main,) + (orc or ()) + tuple(noise) if x is not None]
     done = dict(zip(map(id, pending), resolve(pending)))
     for p, routing, main, orc, noise in jobs:
-        m = step_run.routing[p.rank] if routing else done[id(main)]
+        m = (routing if isinstance(routing, dict) else step_run.routing[p.rank]) if routing else done[id(main)]
         _remap_rows(m, p.rows)
         oracle = None if orc is None else {"fast": done[id(orc[0])], "ref": done[id(orc[1])]}
         nz = [done[id(n)] for n in noise] or None
@@ -112,6 +115,22 @@ def corpus_order(paths) -> list[Path]:
         return (str(p.parent), 0, int(m.group(2)), int(m.group(1))) if m else (str(p.parent), 1, 0, 0)
 
     return sorted((Path(p) for p in paths), key=key)
+
+
+def retire_layers(paths):
+    """Yield `paths` (in corpus order); when the next set starts another (folder, layer), the
+    weight cache is emptied first: corpus order never comes back to a layer, so its weights
+    would only hold device memory the next layer needs (a flat memory curve over the corpus)."""
+    from .capture.sources import CACHE
+
+    group = None
+    for p in paths:
+        m = _SET_RE.match(Path(p).name)
+        g = (str(Path(p).parent), m.group(2) if m else Path(p).name)
+        if group is not None and g != group:
+            CACHE.clear()
+        group = g
+        yield p
 
 
 def _device_alive(device: str, wait: float = 10.0) -> bool:
@@ -189,6 +208,7 @@ def replay(captures, backend_spec: str = "ref", device: str | None = None, polic
         from tqdm import tqdm
 
         it = tqdm(paths, desc=f"replay [{name}]", unit="set", file=sys.stderr, leave=False)
+    it = retire_layers(it)
     wedged = None
     cs = step = sr = None
     for i, path in enumerate(it):

@@ -209,3 +209,77 @@ def test_detail_false_keeps_the_scalars(rng):
     full, light = compare(a, b, "x"), compare(a, b, "x", detail=False)
     assert "worst" not in light and "ulp_hist" not in light and "mag_err" not in light
     assert scalars(full) == scalars(light)
+
+
+# ---------------------------------------------------------------- isolated top-k picks
+
+def _picks_case():
+    """8 experts, top-3: keys 0.9, 0.8, 0.8 (experts 1 and 2 twins: same logit and bias),
+    0.8 + 1 fp32 ulp (expert 3, through its bias), then small ones."""
+    from harness.metrics import compare_picks
+
+    logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+    lg = torch.tensor([[logit(0.9), logit(0.8), logit(0.8), logit(0.8), -3.0, -3.0, -4.0, -5.0]], dtype=torch.float32)
+    bias = torch.zeros(8, dtype=torch.float32)
+    bias[3] = 2.0 ** -24  # one fp32 ulp of a key in [0.5, 1)
+    key = (torch.sigmoid(lg) + bias)[0]
+    ref_ids = torch.sort(key, descending=True, stable=True).indices[:3].to(torch.int32)[None]
+    return compare_picks, lg, bias, key, ref_ids
+
+
+def test_picks_pass_a_swap_within_the_window():
+    compare_picks, lg, bias, key, ref_ids = _picks_case()
+    assert ref_ids.tolist() == [[0, 3, 1]]  # 3 sits 1 ulp above the twins 1, 2
+    same = compare_picks(ref_ids, ref_ids, lg, bias, 3.8e-6)
+    assert same["untied_tokens"] == 0 and same["set_diff_tokens"] == 0
+    swapped = compare_picks(torch.tensor([[0, 1, 3]]), ref_ids, lg, bias, 3.8e-6)
+    gap = float(key[3].double() - key[1].double())
+    assert swapped["untied_tokens"] == 0 and swapped["set_diff_tokens"] == 1
+    assert swapped["boundary_gap"] == pytest.approx(gap) and 0 < gap < 1e-6
+    # the same swap with no window fails
+    assert compare_picks(torch.tensor([[0, 1, 3]]), ref_ids, lg, bias, 0.0)["untied_tokens"] == 1
+
+
+def test_picks_fail_twins_out_of_id_order_and_real_misorders():
+    compare_picks, lg, bias, key, ref_ids = _picks_case()
+    win = 3.8e-6
+    # 2 instead of 1 at the boundary: a twin tie, lowest id first -> fails
+    assert compare_picks(torch.tensor([[0, 3, 2]]), ref_ids, lg, bias, win)["untied_tokens"] == 1
+    # twins 2 before 1 when both are picked (top-4 case)
+    ref4 = torch.tensor([[0, 3, 1, 2]])
+    assert compare_picks(torch.tensor([[0, 3, 2, 1]]), ref4, lg, bias, win)["untied_tokens"] == 1
+    # 0.9 after 0.8: a key gap of 0.1
+    assert compare_picks(torch.tensor([[3, 0, 1]]), ref_ids, lg, bias, win)["untied_tokens"] == 1
+    # an expert far below the K-th key, a duplicate, an id out of range
+    for bad in ([0, 3, 4], [0, 3, 3], [0, 3, 9]):
+        assert compare_picks(torch.tensor([bad]), ref_ids, lg, bias, win)["untied_tokens"] == 1, bad
+
+
+# ---------------------------------------------------------------- a sum's operand ulps
+
+def test_delta_unit_counts_the_partials_ulps():
+    """delta = bf(p0 + p1) with p0 = 1.0, p1 = -0.99609375 (cancels to 2^-8): one ulp of p1
+    (2^-8) moves delta by 2^-8 = 128 of its own ulps; in delta's unit (ulp(delta) + ulp(p0)
+    + ulp(p1), by hand) that is under one. Two operand ulps are not."""
+    from harness.isolate import delta_ulp_unit
+    from harness.metrics import compare_lazy, resolve
+
+    class _Key:
+        pass
+
+    p = torch.tensor([[1.0, -0.99609375]], dtype=BF16)  # one rank per column below
+    core = [torch.eye(1, dtype=BF16), torch.eye(1, dtype=BF16)]
+    ranks = [dict(core=core[0], w_o=p[:, :1].T.contiguous()), dict(core=core[1], w_o=p[:, 1:].T.contiguous())]
+    delta = (p.float().sum(dim=1, keepdim=True)).to(BF16)
+    assert float(delta) == 2.0 ** -8
+    unit = delta_ulp_unit(_Key(), ranks, delta)
+    by_hand = 2.0 ** -8 * 2 ** -7 + 2.0 ** -7 + 2.0 ** -8  # ulp(2^-8) + ulp(1.0) + ulp(0.996)
+    assert float(unit) == by_hand
+    one_off = delta + 2.0 ** -8  # p1 one ulp higher
+    plain = resolve([compare_lazy(one_off, delta)])[0]["max_ulp"]
+    ours = resolve([compare_lazy(one_off, delta, ulp_unit=unit)])[0]["max_ulp"]
+    assert plain == 128 and ours < 1
+    two_off = (delta.float() + 2.0 ** -6).to(BF16)
+    assert resolve([compare_lazy(two_off, delta, ulp_unit=unit)])[0]["max_ulp"] > 1
+    with pytest.raises(ShapeMismatch):
+        compare_lazy(delta, delta, ulp_unit=unit.reshape(-1).repeat(2))
