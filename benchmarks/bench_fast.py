@@ -599,7 +599,12 @@ def tune(backend, cfg, fmt, dev, rot, base, cases):
         a1, a2 = clone(o1), clone(o2)
         ref.kda_pre(key1, **a1)
         ref.k2_launch(key2, **a2, rank=0, comm=ReplicaComm())
-        refs[(S, L)] = (sets, o1, o2, a1, a2)
+        # the out gate: 0.998, or 4x the reference's own spread under perturb where that is wider
+        # (mxfp4 re-quantizes activations: a reordered reduction can move whole blocks)
+        p2 = clone(o2)
+        ref.k2_launch(key2, **p2, rank=0, comm=ReplicaComm(), perturb=1)
+        cos_p = compare("", p2["out"], a2["out"], cos_min=0.0)["cos"]
+        refs[(S, L)] = (sets, o1, o2, a1, a2, min(0.998, 1.0 - 4.0 * (1.0 - cos_p)))
     lines, scores = [], {g: [] for g in CANDIDATES}
     for i in range(n_variants()):
         TUNE.clear()
@@ -608,7 +613,7 @@ def tune(backend, cfg, fmt, dev, rot, base, cases):
         backend.health()
         cells, ok, tot = [], True, {g: 0.0 for g in CANDIDATES}
         try:
-            for (S, L), (sets, o1, o2, a1, a2) in refs.items():
+            for (S, L), (sets, o1, o2, a1, a2, out_cos) in refs.items():
                 key1, _, key2, _ = sets[0]
                 b1, b2 = clone(o1), clone(o2)
                 backend.kda_pre(key1, **b1)
@@ -616,7 +621,7 @@ def tune(backend, cfg, fmt, dev, rot, base, cases):
                 sync()
                 why = [n for n, bad in (("prefix", not torch.equal(b1["prefix"], a1["prefix"])),
                                         ("core_out", not compare("", b1["core_out"], a1["core_out"])["ok"]),
-                                        ("out", not compare("", b2["out"], a2["out"], cos_min=0.998)["ok"])) if bad]
+                                        ("out", not compare("", b2["out"], a2["out"], cos_min=out_cos)["ok"])) if bad]
                 fixed = []
                 for s_ in sets:
                     rc = RecordComm()

@@ -9,7 +9,8 @@
 # 4. the same corpus through `k3verify replay` (the product's verdict and report);
 # 5. the golden set through Triton on the GPU;
 # 6. bench_fast (the fused kernels against the memory floor, issue L).
-# Every step has its own time limit (STEP_S), so one that hangs leaves the others' results in OUT.
+# Every step has its own time limit (*_S), so one that hangs leaves the others' results in OUT;
+# SKIP="derive fast" leaves steps out (derive: replay with the shipped k3-tp8 limits).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${1:-${OUT:-/tmp/k3out}}; mkdir -p "$OUT"
@@ -22,12 +23,15 @@ python -c "import torch, triton, sys; print(sys.version.split()[0], 'torch', tor
 echo "=== synth"
 t 150 python benchmarks/bench_replay.py --config k3-tp8 --layers 1-2 --steps 8 --synth-only --out $CORPUS --json /tmp/synth.json > /tmp/synth.log 2>&1; tail -1 /tmp/synth.log
 du -sb $CORPUS
+skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
+if ! skip derive; then
 echo "=== policy derive k3-tp8"
 t 90 $K3 synth --config k3-tp8 --layers 1-2 --steps ${DERIVE_STEPS:-4} --num-spec 3 --requests 1 --experts mxfp4 \
   --seed 1 --device cuda --out /tmp/k3-derive -q
 inc=(); [ -f "$INC" ] && inc=(--include "$INC")
 t ${DERIVE_S:-200} $K3 policy derive /tmp/k3-derive --seeds ${DERIVE_SEEDS:-4} --device cuda --quiet "${inc[@]}" \
   --save "$OUT/k3-tp8-h200.json" --update golden/tolerances.toml > /tmp/derive.log 2>&1; tail -2 /tmp/derive.log
+fi
 echo "=== bench_replay corpus"
 t ${REPLAY_S:-240} python benchmarks/bench_replay.py --captures $CORPUS --backend triton --profile ${PROFILE_SET:-9} --json "$OUT/bench_replay.json" 2>&1 \
   | grep --line-buffered -v "it/s\]" | tee "$OUT/bench_replay.txt" | grep -v "^ \|^$\|---\|Ordered\|List red\|function calls" | tail -24
@@ -35,5 +39,6 @@ echo "=== k3verify replay corpus"
 t ${CLI_S:-150} $K3 replay $CORPUS --backend triton --device cuda --quiet --report "$OUT/replay_corpus.md" | head -3
 echo "=== replay golden triton"
 t ${GOLDEN_S:-120} $K3 replay golden --backend triton --device cuda --quiet --report "$OUT/replay_triton_golden.md" | head -3
+skip fast && exit 0
 echo "=== bench_fast"
 t ${FAST_S:-200} python benchmarks/bench_fast.py --json "$OUT/bench_fast.json" > "$OUT/bench_fast.txt" 2>&1; tail -40 "$OUT/bench_fast.txt"

@@ -78,7 +78,7 @@ def measure(captures, seeds: int = 4, device: str = "cpu", progress: bool = True
 
     from .capture import discover, load_set
     from .engine import run_step
-    from .metrics import compare_lazy, resolve
+    from .metrics import Batch
     from .policy import load_policy
     from .replay import corpus_order, retire_layers, step_from_set
 
@@ -97,26 +97,25 @@ def measure(captures, seeds: int = 4, device: str = "cpu", progress: bool = True
         step = step_from_set(cs, device)
         for s in range(1, seeds + 1):
             sr = run_step(step, PerturbedRef(s), isolate=True, seed=s, tie_eps=math.inf, timeout=None)
-            todo = []
+            todo, batch = [], Batch()
             for p in sr.pairs:
                 key = (p.stage, p.name)
                 if p.exact or p.stage == "untouched" or key in SKIP or not p.cand.is_floating_point():
                     continue
                 kw = policy.compare_kw(p.stage, p.name, cs.fmt, p.view, cs.config_name)
-                todo.append((p, compare_lazy(p.cand, p.ref, p.dims, detail=False, **kw),
+                todo.append((p, batch.add(p.cand, p.ref, p.dims, detail=False, **kw),
                              None if p.oracle is None or p.view != "chained" or s > 1 else
-                             compare_lazy(p.ref, p.oracle, p.dims, detail=False, **kw)))
-            got = resolve([x for t in todo for x in t[1:] if x is not None])
-            it = iter(got)
+                             batch.add(p.ref, p.oracle, p.dims, detail=False, **kw)))
+            got = batch.run()
             for p, spread, orc in todo:
                 st = g["stats"][(p.stage, p.name, p.view)]
-                m = next(it)
+                m = got[spread]
                 _worst(st, "spread_rel_l2", m["rel_l2"])
                 _worst(st, "spread_scale_err", abs(m["scale_err"]))
                 _worst(st, "spread_mismatch_frac", m["mismatch_frac"])
                 st["min_exact_frac"] = min(st.get("min_exact_frac", 1.0), m["exact_frac"])
                 if orc is not None:
-                    o = next(it)
+                    o = got[orc]
                     _worst(st, "oracle_rel_l2", o["rel_l2"])
                     _worst(st, "oracle_scale_err", abs(o["scale_err"]))
                     _worst(st, "oracle_mismatch_frac", o["mismatch_frac"])

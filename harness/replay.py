@@ -49,37 +49,37 @@ def judge_run(step_run, policy, cap) -> None:
     """Turn the engine's pairs into judged Comparisons on `cap` (a results.CaptureResult): every
     metric computed on the pairs' device, one host transfer for the whole step. A pair that
     cannot be compared (a tap of the wrong shape) is a capture error, not a traceback."""
-    from .metrics import ShapeMismatch, compare_lazy, compare_picks, resolve
+    from .metrics import Batch, ShapeMismatch, compare_picks
     from .results import Comparison
 
     st = step_run.step
     config = st.meta.get("config")
-    jobs, pending = [], []
+    jobs, batch = [], Batch()
     for p in step_run.pairs:
         try:
-            routing = p.stage == "k2" and p.name == "topk_ids" and p.view == "chained" and p.rank in step_run.routing
+            routing = None
+            if p.stage == "k2" and p.name == "topk_ids" and p.view == "chained" and p.rank in step_run.routing:
+                routing = step_run.routing[p.rank]
             kw = policy.compare_kw(p.stage, p.name, st.fmt, p.view, config)
             if p.keys_from is not None:
                 win = policy.criteria(p.stage, p.name, st.fmt, p.view, config).get("tie_eps") or 0.0
                 routing = compare_picks(p.cand, p.ref, *p.keys_from, float(win), p.dims)
-            main = None if routing else compare_lazy(p.cand, p.ref, p.dims, **kw, ulp_unit=p.ulp_unit)
+            main = None if routing is not None else batch.add(p.cand, p.ref, p.dims, **kw, ulp_unit=p.ulp_unit)
             orc = None
             if p.oracle is not None and p.cand.is_floating_point():
-                orc = (compare_lazy(p.cand, p.oracle, p.dims, detail=False),
-                       compare_lazy(p.ref, p.oracle, p.dims, detail=False))
-            noise = [compare_lazy(n, p.ref, p.dims, detail=False) for n in p.noise]
+                orc = (batch.add(p.cand, p.oracle, p.dims, detail=False), batch.add(p.ref, p.oracle, p.dims, detail=False))
+            noise = [batch.add(n, p.ref, p.dims, detail=False) for n in p.noise]
         except ShapeMismatch as e:
             cap.errors.append(f"{p.stage}/{p.name} ({p.view}) rank {p.rank}: the backend's tensor has the wrong "
                               f"shape: {e}")
             continue
         jobs.append((p, routing, main, orc, noise))
-        pending += [x for x in (main,) + (orc or ()) + tuple(noise) if x is not None]
-    done = dict(zip(map(id, pending), resolve(pending)))
+    done = batch.run()
     for p, routing, main, orc, noise in jobs:
-        m = (routing if isinstance(routing, dict) else step_run.routing[p.rank]) if routing else done[id(main)]
+        m = routing if routing is not None else done[main]
         _remap_rows(m, p.rows)
-        oracle = None if orc is None else {"fast": done[id(orc[0])], "ref": done[id(orc[1])]}
-        nz = [done[id(n)] for n in noise] or None
+        oracle = None if orc is None else {"fast": done[orc[0]], "ref": done[orc[1]]}
+        nz = [done[n] for n in noise] or None
         cap.comparisons.append(Comparison.judged(
             policy, capture=cap.id, layer=st.layer, kind=st.kind, step=st.step, rank=p.rank, stage=p.stage,
             output=p.name, view=p.view, fmt=st.fmt, metrics=m, oracle=oracle, noise=nz, note=p.note,
