@@ -35,8 +35,8 @@ fi
 echo "=== bench_replay corpus"
 t ${REPLAY_S:-240} python benchmarks/bench_replay.py --captures $CORPUS --backend triton --profile ${PROFILE_SET:-9} --json "$OUT/bench_replay.json" 2>&1 \
   | grep --line-buffered -v "it/s\]" | tee "$OUT/bench_replay.txt" | grep -v "^ \|^$\|---\|Ordered\|List red\|function calls" | tail -24
-echo "=== k3verify replay corpus"
-t ${CLI_S:-150} $K3 replay $CORPUS --backend triton --device cuda --quiet --report "$OUT/replay_corpus.md" | head -3
+skip cli || echo "=== k3verify replay corpus"
+skip cli || t ${CLI_S:-150} $K3 replay $CORPUS --backend triton --device cuda --quiet --report "$OUT/replay_corpus.md" | head -3
 echo "=== replay golden triton"
 t ${GOLDEN_S:-120} $K3 replay golden --backend triton --device cuda --quiet --report "$OUT/replay_triton_golden.md" | head -3
 skip fast && exit 0
