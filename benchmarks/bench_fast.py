@@ -231,16 +231,27 @@ def check_case(backend, key1, k1, key2, k2):
     ref.k2_launch(key2, **a, rank=0, comm=ReplicaComm(), taps=ta)
     backend.k2_launch(key2, **b, rank=0, comm=ReplicaComm(), taps=tb)
     sync()
-    same = all(set(x.tolist()) == set(y.tolist()) for x, y in zip(ta["topk_ids"].cpu(), tb["topk_ids"].cpu()))
-    rows.append(dict(name="k2.topk_ids(sets)", ok=same, exact=float((ta["topk_ids"] == tb["topk_ids"]).float().mean())))
-    # y/ln/fin/out are downstream of MXFP4 activation re-quantization (a 1-ulp change of an
-    # input can move a block's scale): judged chained at cos >= 0.998 here, bit-exact
-    # isolated in diag_k2, and beside the reference's own spread under perturb
+    # the reference under perturb: how far a correct kernel's chained routed path may land
+    c, tc = clone(k2), {}
+    ref.k2_launch(key2, **c, rank=0, comm=ReplicaComm(), perturb=1, taps=tc)
+    sets = lambda x, y: [set(u.tolist()) == set(v.tolist()) for u, v in zip(x.cpu(), y.cpu())]  # noqa: E731
+    same, same_p = sets(ta["topk_ids"], tb["topk_ids"]), sets(ta["topk_ids"], tc["topk_ids"])
+    # routing near-ties: the top-k sets of the chained view may differ where the perturbed
+    # reference's do too; the harness judges them with the tie rule (informational here)
+    rows.append(dict(name="k2.topk_ids(sets)", ok=all(same) or not all(same_p), info=not all(same),
+                     exact=float(sum(same) / len(same)), ref_perturb=float(sum(same_p) / len(same_p))))
+    # y/ln/fin/out are downstream of the routing and of MXFP4 activation re-quantization (a
+    # 1-ulp change of an input can move a block's scale): judged chained at cos >= 0.998, or
+    # 4x the perturbed reference's distance where that is wider; bit-exact isolated in diag_k2
     loose = 0.998 if key2.experts == "mxfp4" else 0.9999
     for n in ("delta", "x", "lat", "sh", "y", "ln", "fin"):
-        rows.append(compare("k2.tap." + n, tb[n], ta[n], cos_min=loose if n in ("y", "ln", "fin") else 0.9999))
+        lim = 0.9999
+        if n in ("y", "ln", "fin"):
+            lim = min(loose, 1.0 - 4.0 * (1.0 - compare("", tc[n], ta[n], cos_min=0.0)["cos"]))
+        rows.append(compare("k2.tap." + n, tb[n], ta[n], cos_min=lim))
     rows.append(compare("k2.prefix", b["prefix"], a["prefix"]))
-    rows.append(compare("k2.out", b["out"], a["out"], cos_min=loose))
+    spread = compare("k2.out ref-vs-ref(perturb)", c["out"], a["out"], cos_min=0.0)
+    rows.append(compare("k2.out", b["out"], a["out"], cos_min=min(loose, 1.0 - 4.0 * (1.0 - spread["cos"]))))
     d = clone(k2)
     backend.k2_launch(key2, **d, rank=0, comm=StackComm())
     sync()
@@ -249,9 +260,6 @@ def check_case(backend, key1, k1, key2, k2):
     rows.append(dict(name="health()", ok=not h, exact=float(not h)))
     for m in h:
         log(f"  health: {m}")
-    c = clone(k2)
-    ref.k2_launch(key2, **c, rank=0, comm=ReplicaComm(), perturb=1)
-    spread = compare("k2.out ref-vs-ref(perturb)", c["out"], a["out"], cos_min=0.0)
     spread["ok"] = True
     rows.append(spread)
     return rows
@@ -492,7 +500,7 @@ def run_case(backend, cfg, S, L, fmt, dev, rot, bw, check, eager, breakdown=Fals
             rows += diag_k2(backend, sets[0][2], sets[0][3])
         res["check"] = rows
         for c in rows:
-            log(f"  check {S}x{L} {c['name']:<26s} {'ok ' if c['ok'] else 'BAD'} " +
+            log(f"  check {S}x{L} {c['name']:<26s} {('info' if c.get('info') else 'ok ') if c['ok'] else 'BAD'} " +
                 " ".join(f"{k}={v:.6g}" for k, v in c.items() if isinstance(v, float)))
     # K2 sums recorded once per set, so graph replay of one rank needs no collective
     fixed = []
