@@ -30,16 +30,22 @@ def usage() -> str:
 
 def _few_arenas() -> None:
     """glibc gives every thread that allocates its own malloc arena and keeps what it freed:
-    the simulated ranks' threads then grow the process set after set. Two arenas keep the
-    peak flat (`MALLOC_ARENA_MAX` in the environment still wins)."""
+    the simulated ranks' threads then grow the process set after set. Two arenas, and blocks
+    of 1 MiB and more always mapped (glibc otherwise raises that threshold to the largest
+    block freed, and the judge's stacked temporaries then stay in the heap), keep the peak
+    flat. `MALLOC_ARENA_MAX` / `MALLOC_MMAP_THRESHOLD_` in the environment still win."""
     import ctypes
     import os
     import platform
 
-    if platform.system() != "Linux" or "MALLOC_ARENA_MAX" in os.environ:
+    if platform.system() != "Linux":
         return
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX
+        libc = ctypes.CDLL("libc.so.6")
+        if "MALLOC_ARENA_MAX" not in os.environ:
+            libc.mallopt(-8, 2)  # M_ARENA_MAX
+        if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
 
