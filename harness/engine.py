@@ -410,14 +410,14 @@ def _cpu(t):
 
 class _Pairs(list):
     def add(self, stage, name, r, cand, rf, orc=None, noise_list=(), dims=None, exact=False, view="chained",
-            note="", rows=None, ulp_unit=None):
+            note="", rows=None, ulp_unit=None, keys_from=None):
         if rows is not None:
             idx = torch.tensor(rows, dtype=torch.long, device=cand.device)
             pick = lambda t: None if t is None else t.index_select(0, idx.to(t.device))  # noqa: E731
             cand, rf, orc, noise_list = pick(cand), pick(rf), pick(orc), [pick(t) for t in noise_list]
             ulp_unit = pick(ulp_unit)
         self.append(Pair(stage, name, r, view, cand, rf, orc, list(noise_list), dims or name.split(".")[0], exact,
-                         note, rows, ulp_unit))
+                         note, rows, ulp_unit, keys_from))
 
 
 def _k1_rows(m: dict, S: int):
@@ -525,15 +525,14 @@ def isolated_pairs(step: Step, p: Poisoned, bk: Side) -> _Pairs:
     if bk.k2 is not None:
         k2_before = chain_k2(bk.k1, p.k2)
         iso2 = k2_isolated(step.k2_key, k2_before, bk.t2)
-        unit = delta_ulp_unit(step.k2_key, k2_before, iso2[0]["delta"]) if "delta" in iso2[0] else None
+        unit = delta_ulp_unit(k2_before, iso2[0]["delta"]) if "delta" in iso2[0] else None
         for r in range(step.world):
             for t, v in iso2[r].items():
                 cand = bk.k2[r][t] if t in ("out", "prefix") else bk.t2[r].get(t)
                 if cand is not None:
                     pairs.add("k2", t, r, cand, v, view="isolated", ulp_unit=unit if t == "delta" else None,
-                              note="ulps of the rank partials summed" if t == "delta" else "")
-                    if t == "topk_ids":
-                        pairs[-1].keys_from = (bk.t2[r]["logits"], p.k2[r]["bias"])
+                              note="ulps of the rank partials summed" if t == "delta" else "",
+                              keys_from=(bk.t2[r]["logits"], p.k2[r]["bias"]) if t == "topk_ids" else None)
     return pairs
 
 

@@ -80,7 +80,7 @@ def k2_isolated(key, ranks: list[dict], bts: list[dict]) -> list[dict]:
     return k2_feed_run(key, ranks, bts)[0]
 
 
-def delta_ulp_unit(key, ranks: list[dict], delta: torch.Tensor) -> torch.Tensor:
+def delta_ulp_unit(ranks: list[dict], delta: torch.Tensor) -> torch.Tensor:
     """max_ulp's unit for isolated delta = bf(Σ_r bf(core_r @ w_o_r)): each partial of a correct
     kernel may sit one ulp away (its own GEMV order), and a sum that cancels keeps those
     operand ulps, so the unit is ulp(delta) + Σ_r ulp(partial_r) (float64, [S, H])."""

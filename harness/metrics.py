@@ -246,11 +246,7 @@ def compare_many(items, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, ato
     out: list = [None] * len(items)
     groups: dict = {}
     for i, (a, b, unit) in enumerate(items):
-        a, b = _t(a), _t(b)
-        if tuple(a.shape) != tuple(b.shape):
-            raise ShapeMismatch(f"shape {tuple(a.shape)} (candidate) != {tuple(b.shape)} (reference)")
-        if unit is not None and tuple(unit.shape) != tuple(b.shape):
-            raise ShapeMismatch(f"ulp unit shape {tuple(unit.shape)} != {tuple(b.shape)} (reference)")
+        a, b = _checked(a, b, unit)
         if b.device != a.device:
             b = b.to(a.device)
         meta = dict(n=a.numel(), shape=list(a.shape), names=dim_names(dims, a.dim()), dtype_a=_dn(a), dtype_b=_dn(b),
@@ -274,6 +270,16 @@ def compare_many(items, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, ato
     return out
 
 
+def _checked(a, b, unit=None):
+    """(a, b) as tensors of one shape (and `unit` of theirs), else ShapeMismatch."""
+    a, b = _t(a), _t(b)
+    if tuple(a.shape) != tuple(b.shape):
+        raise ShapeMismatch(f"shape {tuple(a.shape)} (candidate) != {tuple(b.shape)} (reference)")
+    if unit is not None and tuple(unit.shape) != tuple(b.shape):
+        raise ShapeMismatch(f"ulp unit shape {tuple(unit.shape)} != {tuple(b.shape)} (reference)")
+    return a, b
+
+
 class Batch:
     """Comparisons gathered, then computed together (`compare_many` per kind) and resolved in
     one transfer per device: `i = batch.add(a, b, dims, ...)`, later `batch.run()[i]`."""
@@ -283,9 +289,7 @@ class Batch:
 
     def add(self, a, b, dims=None, atol: float = 1e-2, rtol: float = 1.6e-2, atol_rms: float = 0.0,
             detail: bool = True, ulp_unit=None) -> int:
-        a, b = _t(a), _t(b)
-        if tuple(a.shape) != tuple(b.shape):
-            raise ShapeMismatch(f"shape {tuple(a.shape)} (candidate) != {tuple(b.shape)} (reference)")
+        a, b = _checked(a, b, ulp_unit)
         self._items.append(((dims if not isinstance(dims, list) else tuple(dims), float(atol), float(rtol),
                              float(atol_rms), bool(detail)), (a, b, ulp_unit)))
         return len(self._items) - 1

@@ -108,13 +108,15 @@ def resolve_device(device: str | None) -> str:
 _SET_RE = re.compile(r"^s(\d+)_l(\d+)$")
 
 
+def _corpus_key(p: Path) -> tuple:
+    """(folder, 0, layer, step) of a set named s<step>_l<layer>; (folder, 1, name, 0) otherwise."""
+    m = _SET_RE.match(p.name)
+    return (str(p.parent), 0, int(m.group(2)), int(m.group(1))) if m else (str(p.parent), 1, p.name, 0)
+
+
 def corpus_order(paths) -> list[Path]:
     """A layer's steps together (its weights stay loaded): by folder, layer, then step."""
-    def key(p: Path):
-        m = _SET_RE.match(p.name)
-        return (str(p.parent), 0, int(m.group(2)), int(m.group(1))) if m else (str(p.parent), 1, 0, 0)
-
-    return sorted((Path(p) for p in paths), key=key)
+    return sorted((Path(p) for p in paths), key=_corpus_key)
 
 
 def retire_layers(paths):
@@ -125,8 +127,7 @@ def retire_layers(paths):
 
     group = None
     for p in paths:
-        m = _SET_RE.match(Path(p).name)
-        g = (str(Path(p).parent), m.group(2) if m else Path(p).name)
+        g = _corpus_key(Path(p))[:3]
         if group is not None and g != group:
             CACHE.clear()
         group = g

@@ -86,3 +86,19 @@ def test_noise_runs_are_judged(kda_sets):
     run = replay(kda_sets[:1], "ref", "cpu", progress=False, noise=2)
     assert run.passed
     assert any(c.noise for c in run.comparisons)
+
+
+def test_retire_layers_empties_the_cache_at_each_new_layer(monkeypatch, tmp_path):
+    """Corpus order never returns to a layer: its weights leave the cache when the next
+    (folder, layer) starts, and not between the steps of one layer."""
+    from harness.capture.sources import CACHE
+    from harness.replay import corpus_order, retire_layers
+
+    names = ["s00001_l002", "s00000_l001", "s00001_l001", "s00000_l002"]
+    paths = [tmp_path / "a" / n for n in names] + [tmp_path / "b" / "s00000_l002"]
+    seen = []
+    monkeypatch.setattr(CACHE, "clear", lambda: seen.append("clear"))
+    for p in retire_layers(corpus_order(paths)):
+        seen.append(f"{p.parent.name}/{p.name}")
+    assert seen == ["a/s00000_l001", "a/s00001_l001", "clear", "a/s00000_l002", "a/s00001_l002", "clear",
+                    "b/s00000_l002"]

@@ -28,9 +28,24 @@ def _run(backend, key, ranks):
     return b
 
 
-def _isolated(key, w, tb):
-    return routed_experts(tb["lat"], tb["topk_ids"], tb["topk_w"], w["w13"], w["w13s"], w["w2"], w["w2s"], "mxfp4",
+def _isolated(key, w, tb, fmt="mxfp4"):
+    return routed_experts(tb["lat"], tb["topk_ids"], tb["topk_w"], w["w13"], w["w13s"], w["w2"], w["w2s"], fmt,
                           key.situ_beta, key.situ_linear_beta, Num())
+
+
+def _same_bits(backend, tune, key, ranks, fmt, base: dict, variant: dict, what: str):
+    """TUNE base then base + variant: y and out bit for bit alike, y equal to the reference's
+    routed stage fed the variant's own lat / picks (non-zero, finite)."""
+    tune.update(base)
+    a = _run(backend, key, ranks)
+    tune.update(variant)
+    b = _run(backend, key, ranks)
+    for r, w in enumerate(ranks):
+        tb = b[r]["taps"]
+        assert torch.isfinite(tb["y"].float()).all() and tb["y"].abs().max() > 0
+        assert torch.equal(tb["y"], _isolated(key, w, tb, fmt)), f"rank {r}: {what} differs from the reference stage"
+        assert torch.equal(tb["y"], a[r]["taps"]["y"]), f"rank {r}: {what} differs from the other path"
+        assert torch.equal(b[r]["out"], a[r]["out"])
 
 
 @pytest.mark.parametrize("layer,tune_set", [
@@ -39,16 +54,8 @@ def _isolated(key, w, tb):
 ])
 def test_row_path_bit_exact(backend, tune, seed, layer, tune_set):
     key, ranks = make_k2(seed=seed + layer, fmt="mxfp4", layer=layer, S=1)
-    tune.update(tune_set, x1_row=False, x2_row=False)
-    mma = _run(backend, key, ranks)
-    tune.update(x1_row=True, x2_row=True)
-    row = _run(backend, key, ranks)
-    for r, w in enumerate(ranks):
-        tb = row[r]["taps"]
-        assert torch.isfinite(tb["y"].float()).all() and tb["y"].abs().max() > 0
-        assert torch.equal(tb["y"], _isolated(key, w, tb)), f"rank {r}: row path differs from the reference stage"
-        assert torch.equal(tb["y"], mma[r]["taps"]["y"]), f"rank {r}: row path differs from the MMA path"
-        assert torch.equal(row[r]["out"], mma[r]["out"])
+    _same_bits(backend, tune, key, ranks, "mxfp4", dict(tune_set, x1_row=False, x2_row=False),
+               dict(x1_row=True, x2_row=True), "row path")
 
 
 @triton.jit
@@ -75,14 +82,5 @@ def test_scales_loaded_per_block_same_bits(backend, tune, seed, fmt):
     """TUNE x1_sload / x2_sload (each block's scales loaded where used) against the per-step
     prefetch, several tokens (the MMA path), bit for bit; and y against the isolated stage."""
     key, ranks = make_k2(seed=seed, fmt=fmt, layer=1, S=5)
-    tune.update(x1_unr=2, x2_unr=2)
-    pre = _run(backend, key, ranks)
-    tune.update(x1_sload=True, x2_sload=True)
-    per = _run(backend, key, ranks)
-    for r, w in enumerate(ranks):
-        tb = per[r]["taps"]
-        assert torch.isfinite(tb["y"].float()).all() and tb["y"].abs().max() > 0
-        assert torch.equal(tb["y"], pre[r]["taps"]["y"]) and torch.equal(per[r]["out"], pre[r]["out"])
-        want = routed_experts(tb["lat"], tb["topk_ids"], tb["topk_w"], w["w13"], w["w13s"], w["w2"], w["w2s"], fmt,
-                              key.situ_beta, key.situ_linear_beta, Num())
-        assert torch.equal(tb["y"], want), f"rank {r}: routed experts (isolated) differ"
+    _same_bits(backend, tune, key, ranks, fmt, dict(x1_unr=2, x2_unr=2), dict(x1_sload=True, x2_sload=True),
+               "per-block scale loads")
