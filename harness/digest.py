@@ -10,6 +10,8 @@ cryptographic hash (sha256 stays what names files).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 ALGO = "k3mix32x4"
@@ -35,19 +37,50 @@ def words(t: torch.Tensor) -> torch.Tensor:
     return w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24)
 
 
-def digest(t: torch.Tensor) -> str:
-    """`ALGO:` + 64 hex digits; dtype and shape are not part of it (record them beside)."""
+def _sums_torch(b: torch.Tensor, idx0: int) -> list[int]:
+    """The four sums over the words of bytes `b` whose first global word index is idx0."""
+    w = words(b)
+    idx = torch.arange(idx0, idx0 + w.numel(), device=w.device, dtype=torch.int64) & _M
+    return [int(_mix(w ^ _mix(idx ^ salt)).sum()) for salt in _SALTS]
+
+
+def _kernel():
+    """harness._digest_kernel.word_sums, or None where Triton cannot run (K3_DIGEST=torch forces None)."""
+    if os.environ.get("K3_DIGEST", "auto") == "torch":
+        return None
+    try:
+        from ._digest_kernel import word_sums
+    except ImportError:
+        return None
+    return word_sums
+
+
+def digest(t: torch.Tensor, kernel=None) -> str:
+    """`ALGO:` + 64 hex digits; dtype and shape are not part of it (record them beside).
+
+    On a GPU the whole words go through one Triton launch per chunk (`kernel`, found by
+    default); elsewhere, and for a trailing partial word, through torch."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = b.numel()
+    if kernel is None and b.is_cuda:
+        kernel = _kernel()
     sums = [0, 0, 0, 0]
     step = 4 * _CHUNK
-    for lo in range(0, max(n, 1), step):
-        w = words(b[lo:lo + step])
-        if w.numel() == 0:
-            break
-        idx = torch.arange(lo // 4, lo // 4 + w.numel(), device=w.device, dtype=torch.int64) & _M
-        for k, salt in enumerate(_SALTS):
-            sums[k] += int(_mix(w ^ _mix(idx ^ salt)).sum())
+    for lo in range(0, n, step):
+        chunk = b[lo:lo + step]
+        whole = chunk.numel() // 4 * 4
+        parts = []
+        if kernel is not None and whole:
+            w32 = chunk[:whole]
+            if w32.storage_offset() % 4:
+                w32 = w32.clone()
+            parts.append(kernel(w32.view(torch.int32), lo // 4))
+            if whole < chunk.numel():
+                parts.append(_sums_torch(chunk[whole:], (lo + whole) // 4))
+        else:
+            parts.append(_sums_torch(chunk, lo // 4))
+        for p in parts:
+            sums = [s + v for s, v in zip(sums, p)]
     return ALGO + ":" + "".join(f"{s % (1 << 64):016x}" for s in sums)
 
 
