@@ -149,3 +149,28 @@ def test_k1_rejects_bad_shapes(backend, k1_case):
     with pytest.raises(abi.ArgError) as e:
         backend.kda_pre(key, **kw)
     assert e.value.field == "w_in"
+
+
+def test_rows_overrides_reach_one_row_builds_only(backend, tune, k1_case, monkeypatch):
+    """tuning.ROWS[1] changes the launch of a one-row build (its in_proj K split) and not of a
+    two-row build; the one-row result still matches the reference."""
+    from fast.triton import _host, _k1
+    from fast.triton.tuning import ROWS
+
+    tune.update(k1_split=2, k1_bk=32)
+    ROWS[1] = dict(k1_split=1)
+    seen = []
+    real = _host._launch
+
+    def spy(kernel, grid, *a, **kw):
+        if kernel is _k1.k1_mid_kernel:
+            seen.append(kw["SPLIT"])
+        return real(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(_host, "_launch", spy)
+    key1, kw1 = k1_case(layer=1, R=1, L=1)
+    out = _run(backend, key1, kw1)
+    _check(key1, kw1, *out)
+    key2, kw2 = k1_case(layer=1, R=2, L=1)
+    _run(backend, key2, kw2)
+    assert seen == [1, 2]

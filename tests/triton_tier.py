@@ -23,7 +23,7 @@ def backend():
 
 @pytest.fixture
 def tune():
-    """TUNE of the backend, restored after the test."""
+    """TUNE of the backend with no tuning.ROWS overrides, both restored after the test."""
     from fast.triton import _host
     from fast.triton.tuning import TUNE
 
@@ -34,8 +34,13 @@ def tune():
             assert not unknown, f"unknown TUNE keys {sorted(unknown)}"
             TUNE.update(new)
 
-    saved = dict(TUNE)
+    from fast.triton.tuning import ROWS
+
+    saved, saved_rows = dict(TUNE), {m: dict(o) for m, o in ROWS.items()}
+    ROWS.clear()  # what the test sets in TUNE is what every build launches with
     yield Checked()
     TUNE.clear()
     TUNE.update(saved)
+    ROWS.clear()
+    ROWS.update(saved_rows)
     _host.clear_scratch()

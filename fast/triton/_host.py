@@ -15,7 +15,7 @@ from ref import abi
 from ref.config import K2Build, KdaPreBuild
 
 from . import _k1, _k2
-from .tuning import TUNE
+from .tuning import settings
 
 _SCRATCH: dict = {}
 _LOCK = threading.Lock()  # one enqueue at a time (the interpreter is not thread-safe)
@@ -99,19 +99,19 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             raise abi.ArgError(n, "must be contiguous")
     dev = prefix.device
     R = S // L
-    T = TUNE
+    T = settings(S)
     NV = max(1, min(T["k1_nv"], HD // 8))  # value-row programs per head (HD is a power of two)
     BV = HD // NV
     bk = _bk(H, T["k1_bk"])
     bn = T["k1_bn"]
-    ar = _ares_dims(H, key.nblocks, TUNE["k1_hc"])
+    ar = _ares_dims(H, key.nblocks, T["k1_hc"])
     sc = _scratch("k1", key, dev, (S, H, NP, NH, HD, ar["CHP"]), 0, lambda: dict(
         x=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         proj=torch.empty(S, NP, dtype=torch.bfloat16, device=dev),
         obuf=torch.empty(S, NH, HD, dtype=torch.bfloat16, device=dev),
         ctr=torch.zeros(8 + 2 * S, dtype=torch.int32, device=dev),
         ctr_rec=torch.zeros(R * NH, dtype=torch.int32, device=dev),
-        **_ares_scratch(S, H, key.nblocks, TUNE["k1_hc"], dev),
+        **_ares_scratch(S, H, key.nblocks, T["k1_hc"], dev),
         part=torch.empty(16, max(16, _p2(S)), NP, dtype=torch.float32, device=dev),  # K-split partials
         ctr_n=torch.zeros(triton_cdiv(NP, 16), dtype=torch.int32, device=dev)))
     add = 1 if delta is not None else 0
@@ -203,7 +203,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     if out.stride(0) != H or prefix.stride(0) != H:
         raise abi.ArgError("out", "rows of out and prefix must be contiguous [S, H]")
     dev = prefix.device
-    T = TUNE
+    T = settings(S)
     SP = max(16, _p2(S))
     DMAX = min(E, S * K)
     BR = min(T["x1_br"], RI)

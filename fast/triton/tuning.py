@@ -15,9 +15,9 @@ TUNE: dict = dict(
     k1_nv=4,         # programs per (request, head) in the recurrence (value-row split)
     rec_warps=4,
     # K2 launch 1: o_proj
-    k2_bn=32, k2_bk=256, k2_warps=2, k2_stages=3, k2_swap=False, o_split=1,
+    k2_bn=32, k2_bk=256, k2_warps=2, k2_stages=4, k2_swap=False, o_split=1,
     # K2 launch 2: AttnRes phases + router / latent-down / shared gate-up GEMVs + top-k
-    mid_hc=1024, mid_bn=128, mid_bnl=64, mid_bns=32, mid_bk=128, mid_warps=4, mid_stages=4, mid_swap=True,
+    mid_hc=1024, mid_bn=128, mid_bnl=64, mid_bns=32, mid_bk=128, mid_warps=8, mid_stages=4, mid_swap=True,
     mid_split=4,
     # K2 launch 3: routed gemm1 (+ shared down)
     x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3, x1_swap=False,
@@ -28,8 +28,24 @@ TUNE: dict = dict(
     # K2 launch 4: routed gemm2 + pick-order sum
     x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False, x2_row=True, x2_sload=False,
     # K2 launch 5: latent norm + up projection
-    up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=7,
+    up_bn=64, up_bk=256, up_warps=4, up_swap=True, up_split=7,
 )
+
+# Overrides of TUNE for builds with few token rows: a build of S rows uses ROWS[m] for the
+# smallest m >= S (none past the largest m). The tuning pass picks them per S (bench_fast);
+# these are the picks it made in both of two H200 runs (benchmarks/NOTES.md, v7; µs of the
+# launch alone, override vs TUNE, runs 1 / 2): at 1 row one in_proj K split (36.0 vs 38.9 /
+# 35.3 vs 40.5), a 4-warp mid launch (46.8 vs 50.1 / 46.2 vs 54.4), o_proj in 16-column blocks
+# of 1 warp (11.5 vs 12.0 / 12.0 vs 12.3), gemm1 with 2-block steps split 14 ways (34.0 vs 34.6
+# / 33.6 vs 36.1); at 2-4 rows gemm1 without a K split (95.0 vs 103.6 / 95.1 vs 103.0).
+ROWS: dict = {1: dict(k1_split=1, mid_warps=4, k2_bn=16, k2_warps=1, x1_unr=2, x1_split=14), 4: dict(x1_split=1)}
+
+
+def settings(rows: int) -> dict:
+    """TUNE with the ROWS overrides of a build of `rows` token rows."""
+    m = min((m for m in ROWS if m >= rows), default=None)
+    return dict(TUNE, **ROWS[m]) if m is not None else dict(TUNE)
+
 
 # The knobs of each launch (call, index of the launch within the call): a launch's time
 # depends on its own knobs only, so the tuning pass picks each group's best independently.
@@ -47,23 +63,24 @@ GROUPS: dict = {
 
 # Candidates per launch; candidate i of every group runs together in variant i of the tuning
 # pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds what
-# the v6 tuning pass chose (x1_row / x2_row; benchmarks/NOTES.md v6, over v5's choice:
+# the tuning passes chose (x1_row / x2_row in v6; k2_stages 4, mid_warps 8, up_bk 256 on main,
+# v6c; benchmarks/NOTES.md, over v5's choice:
 # bench_fast_h200_v5.txt; the v4 sweep: bench_fast_h200_v4_sweep.txt). A candidate that fails
 # to build or disagrees with the reference drops its whole variant, so risky ones share one.
 CANDIDATES: dict = {
     ("k1", 0): [{}, dict(k1_bk=512), dict(k1_bn=16), dict(k1_stages=5), dict(k1_split=1), dict(k1_split=7),
                 dict(k1_bn=16, k1_split=4), dict(k1_warps=1)],
-    ("k1", 1): [{}, dict(rec_warps=1), dict(k1_nv=16, rec_warps=2), dict(k1_nv=8, rec_warps=1),
-                dict(k1_nv=2, rec_warps=2), dict(rec_warps=8), dict(k1_nv=1, rec_warps=2), dict(k1_nv=8)],
+    ("k1", 1): [{}, dict(rec_warps=2), dict(k1_nv=16, rec_warps=2), dict(k1_nv=8, rec_warps=1),
+                dict(k1_nv=2, rec_warps=2), dict(rec_warps=8), dict(k1_nv=2), dict(k1_nv=8)],
     ("k2", 0): [{}, dict(o_split=2), dict(k2_bk=128), dict(k2_bn=16, k2_warps=1), dict(k2_warps=4), dict(o_split=4),
-                dict(k2_stages=4), dict(k2_bn=64)],
-    ("k2", 1): [{}, dict(mid_split=2), dict(mid_bk=256), dict(mid_bn=64), dict(mid_warps=8), dict(mid_bnl=32),
+                dict(k2_stages=3), dict(k2_bn=64)],
+    ("k2", 1): [{}, dict(mid_split=2), dict(mid_bk=256), dict(mid_bn=64), dict(mid_warps=4), dict(mid_bnl=32),
                 dict(mid_bns=16), dict(mid_stages=3)],
     ("k2", 2): [{}, dict(x1_sload=True), dict(x1_split=7), dict(x1_split=14), dict(x1_unr=2, x1_split=14),
                 dict(x1_split=1), dict(x1_unr=2, x1_split=7), dict(x1_unr=1, x1_split=16)],
     ("k2", 3): [{}, dict(x2_sload=True), dict(x2_unr=4), dict(x2_unr=1), dict(x2_unr=4, x2_stages=2),
                 dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1, x2_warps=1)],
-    ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=256),
+    ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=128),
                 dict(up_split=4), dict(up_bn=128), dict(up_warps=8)],
 }
 
