@@ -16,8 +16,9 @@ whole K2 step of one rank: its 5 launches and the 3 one-launch reductions in one
 
 A tuning pass first times the candidates of fast/triton/tuning.py per launch (variant i =
 candidate i of every launch) at --sweep-cases, each launch alone, and keeps each launch's
-fastest candidate among the variants that agree with the reference (--no-tune: TUNE as it
-is); the table reports the chosen settings.
+fastest candidate among the variants that agree with the reference, per token-row count S
+of those cases (the largest S sets TUNE, a smaller S that picks otherwise gets tuning.ROWS
+overrides; --no-tune: TUNE and ROWS as they are); the table reports the chosen settings.
 
 Every case is checked against the reference at these dims (a collective that sums 8
 copies of this rank's partial stands in for the other ranks, the same for both sides):
@@ -428,15 +429,25 @@ def k2_floor(key, kw, cfg, nd):
 
 # ------------------------------------------------------------------------- precompile
 
+def use(t: dict) -> None:
+    """Make t the backend's settings: its knobs as TUNE, its "_rows" as tuning.ROWS."""
+    from fast.triton import _host
+    from fast.triton.tuning import ROWS, TUNE
+
+    TUNE.clear()
+    TUNE.update({k: v for k, v in t.items() if not k.startswith("_")})
+    ROWS.clear()
+    ROWS.update({int(m): dict(o) for m, o in t["_rows"].items()})
+    _host.clear_scratch()
+
+
 def _warm_worker(job):
     """Compile (no launch) every kernel of the jobs' cases into the shared Triton cache."""
     cases, fmt, tune = job
     import torch as _t
     from fast.triton import BACKEND as B
     from fast.triton import _host
-    from fast.triton.tuning import TUNE as T
-
-    T.update({k: v for k, v in tune.items() if not k.startswith("_")})
+    use(tune)
     _host._launch = lambda kernel, grid, *a, **k: kernel.warmup(*a, grid=grid, **k)
     cfg = rcfg.get_config("k3-tp8")
     dev = "cuda"
@@ -495,7 +506,6 @@ def precompile(todo, fmt, workers):
 def run_case(backend, cfg, S, L, fmt, dev, rot, bw, check, eager, breakdown=False, diag=False):
     """Time K1/K2 of one (S, L) over the rotation sets; returns a result row."""
     from fast.triton import _host
-    from fast.triton.tuning import TUNE
 
     sets = [make_case(cfg, S, L, fmt, dev, w1, w2, seed=i) for i, (w1, w2) in enumerate(rot)]
     res = dict(S=S, L=L)
@@ -597,12 +607,13 @@ def launch_times(backend, sets, fixed):
 
 
 def tune(backend, cfg, fmt, dev, rot, base, cases):
-    """Variant i of the tuning pass runs candidate i of every launch group (tuning.variant);
-    each launch is timed alone at `cases` and keeps its fastest candidate among the variants
-    whose outputs agree with the reference (prefix exact, core_out / out by cosine) and whose
-    health() is clean. Returns (base updated, log lines)."""
-    from fast.triton import _host
-    from fast.triton.tuning import CANDIDATES, TUNE, n_variants, variant
+    """Variant i of the tuning pass runs candidate i of every launch group (tuning.variant) with
+    no ROWS overrides; each launch is timed alone at `cases` and, per token-row count S of the
+    cases, keeps its fastest candidate among the variants whose outputs agree with the
+    reference (prefix exact, core_out / out by cosine) and whose health() is clean. The
+    largest S sets TUNE; a smaller S whose pick differs gets it as ROWS[S] (the knobs that
+    differ). Returns (base updated, log lines)."""
+    from fast.triton.tuning import CANDIDATES, n_variants, variant
 
     refs = {}
     for S, L in cases:
@@ -617,13 +628,12 @@ def tune(backend, cfg, fmt, dev, rot, base, cases):
         ref.k2_launch(key2, **p2, rank=0, comm=ReplicaComm(), perturb=1)
         cos_p = compare("", p2["out"], a2["out"], cos_min=0.0)["cos"]
         refs[(S, L)] = (sets, o1, o2, a1, a2, cos_gate(0.998, cos_p))
-    lines, scores = [], {g: [] for g in CANDIDATES}
+    rows_s = sorted({S for S, _ in cases})
+    lines, scores = [], {(g, S): [] for g in CANDIDATES for S in rows_s}
     for i in range(n_variants()):
-        TUNE.clear()
-        TUNE.update(base, **variant(i))
-        _host.clear_scratch()
+        use(dict(base, **variant(i), _rows={}))
         backend.health()
-        cells, ok, tot = [], True, {g: 0.0 for g in CANDIDATES}
+        cells, ok, tot = [], True, {k: 0.0 for k in scores}
         try:
             for (S, L), (sets, o1, o2, a1, a2, out_cos) in refs.items():
                 key1, _, key2, _ = sets[0]
@@ -644,7 +654,7 @@ def tune(backend, cfg, fmt, dev, rot, base, cases):
                 good = not why
                 ok &= good
                 for (call, idx) in CANDIDATES:
-                    tot[(call, idx)] += t[call][idx]
+                    tot[((call, idx), S)] += t[call][idx]
                 cells.append(f"{S}x{L} k1 " + "/".join(f"{x:.1f}" for x in t["k1"]) + " k2 " +
                              "/".join(f"{x:.1f}" for x in t["k2"]) + ("" if good else f" BAD: {why}"))
         except Exception as ex:  # noqa: BLE001 - a variant the device cannot run is skipped
@@ -652,18 +662,41 @@ def tune(backend, cfg, fmt, dev, rot, base, cases):
             continue
         lines.append(f"  variant {i} {variant(i) or 'defaults'}: " + "; ".join(cells))
         if ok:
-            for g in CANDIDATES:
+            for (g, S) in scores:
                 if i < len(CANDIDATES[g]):
-                    scores[g].append((tot[g], i))
-    best = dict(base)
-    for g, sc in scores.items():
-        if sc:
-            t, i = min(sc)
-            best.update(CANDIDATES[g][i])
-            lines.append(f"  launch {g}: candidate {i} {CANDIDATES[g][i] or 'defaults'} ({t:.1f} µs over the cases)")
-    TUNE.clear()
-    TUNE.update(best)
-    _host.clear_scratch()
+                    scores[(g, S)].append((tot[(g, S)], i))
+    best, more = pick(base, scores, rows_s)
+    use(best)
+    return best, lines + more
+
+
+def pick(base: dict, scores: dict, rows_s: list) -> tuple[dict, list]:
+    """The tuning pass's choice from scores {(group, S): [(µs, candidate)]}: per group the
+    fastest candidate at the largest S into TUNE's knobs, and where a smaller S's fastest
+    differs, the knobs in which it differs as ROWS[S] ("_rows"; entries for S not timed are kept)."""
+    from fast.triton.tuning import CANDIDATES, GROUPS
+
+    def knobs(g, i):
+        return dict({k: base[k] for k in GROUPS[g]}, **CANDIDATES[g][i])
+
+    best = dict(base, _rows={m: dict(o) for m, o in base["_rows"].items() if m not in rows_s})
+    lines, top = [], rows_s[-1]
+    for g in CANDIDATES:
+        if not scores.get((g, top)):
+            continue
+        t, i = min(scores[(g, top)])
+        best.update(CANDIDATES[g][i])
+        lines.append(f"  launch {g}: candidate {i} {CANDIDATES[g][i] or 'defaults'} ({t:.1f} µs at S = {top})")
+        for S in rows_s[:-1]:
+            if not scores.get((g, S)):
+                continue
+            at = {c: us for us, c in scores[(g, S)]}
+            j = min(scores[(g, S)])[1]
+            if j != i:
+                diff = {k: v for k, v in knobs(g, j).items() if knobs(g, i)[k] != v}
+                best["_rows"].setdefault(S, {}).update(diff)
+                lines.append(f"  launch {g} at S = {S}: candidate {j} -> ROWS[{S}] {diff} ({at[j]:.1f} vs "
+                             f"{at.get(i, float('nan')):.1f} µs)")
     return best, lines
 
 
@@ -692,7 +725,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the reference comparison")
     ap.add_argument("--no-eager", action="store_true", help="skip timing the eager reference")
     ap.add_argument("--sweep", default="", help="';'-separated TUNE variants 'k=v,k=v' timed at --sweep-cases")
-    ap.add_argument("--sweep-cases", default="1x1,8x4", help="cases of --sweep and of the tuning pass")
+    ap.add_argument("--sweep-cases", default="1x1,4x4,8x4", help="cases of --sweep and of the tuning pass")
     ap.add_argument("--no-tune", action="store_true", help="skip the tuning pass (use TUNE as it is)")
     ap.add_argument("--set", default="", help="TUNE overrides 'k=v,...' for the main table")
     ap.add_argument("--json", default="", help="write every measured number to this file")
@@ -713,9 +746,11 @@ def main(argv=None) -> int:
             d[k] = type(TUNE[k])(int(v) if v.isdigit() else v in ("1", "True", "true"))
         return d
 
-    base = dict(TUNE)
+    from fast.triton.tuning import ROWS
+
+    base = dict(TUNE, _rows={m: dict(o) for m, o in ROWS.items()})
     base.update(parse(a.set))
-    TUNE_DEFAULTS = dict(TUNE)
+    TUNE_DEFAULTS = dict(base)
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",") if c]
     variants = [parse(v) for v in a.sweep.split(";") if v.strip()]
     sweep_cases = [tuple(int(x) for x in c.split("x")) for c in a.sweep_cases.split(",") if c]
@@ -725,7 +760,7 @@ def main(argv=None) -> int:
     log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {BACKEND.version}")
     from fast.triton.tuning import n_variants, variant
     tunes = [base] + [dict(base, **v) for v in variants]
-    cand_tunes = [] if a.no_tune else [dict(base, **variant(i)) for i in range(n_variants())]
+    cand_tunes = [] if a.no_tune else [dict(base, **variant(i), _rows={}) for i in range(n_variants())]
     jobs = [(t, sweep_cases) for t in tunes[1:] + cand_tunes] + ([(base, sweep_cases)] if variants else [])
     if a.no_tune:
         jobs.append((dict(base, _taps=not a.no_check), cases))
@@ -744,9 +779,7 @@ def main(argv=None) -> int:
     if variants:
         log("sweep (µs; K1 and K2 per case):")
         for t in tunes:
-            TUNE.clear()
-            TUNE.update(t)
-            _host.clear_scratch()
+            use(t)
             cells = []
             for S, L in sweep_cases:
                 r = run_case(BACKEND, cfg, S, L, a.fmt, dev, rot, bw, False, False)
@@ -754,20 +787,16 @@ def main(argv=None) -> int:
             diff = {k: v for k, v in t.items() if base.get(k) != v}
             log(f"  {diff or 'defaults'}: " + "; ".join(cells))
             sweep_log.append(dict(diff=diff, cells=cells))
-        TUNE.clear()
-        TUNE.update(base)
-        _host.clear_scratch()
+        use(base)
     if not a.no_tune:
         log(f"tuning pass over tuning.CANDIDATES at {a.sweep_cases} (graph replay µs):")
         base, lines = tune(BACKEND, cfg, a.fmt, dev, rot, base, sweep_cases)
         for line in lines:
             log(line)
         chosen = {k: v for k, v in base.items() if TUNE_DEFAULTS.get(k) != v}
-        log(f"chosen settings (over fast/triton/tuning.py TUNE): {chosen or 'defaults'}")
+        log(f"chosen settings (over fast/triton/tuning.py TUNE and ROWS): {chosen or 'defaults'}")
         precompile([(dict(base, _taps=not a.no_check), cases)], a.fmt, a.workers)
-    TUNE.clear()
-    TUNE.update(base)
-    _host.clear_scratch()
+    use(base)
     rows = []
     for S, L in cases:
         r = run_case(BACKEND, cfg, S, L, a.fmt, dev, rot, bw, not a.no_check, not a.no_eager, breakdown=True,
@@ -782,7 +811,7 @@ def main(argv=None) -> int:
         rows.append(r)
     print(fmt_table(rows, bw, bw_add))
     chosen = {k: v for k, v in base.items() if TUNE_DEFAULTS.get(k) != v}
-    print(f"settings: TUNE defaults{' + ' + str(chosen) if chosen else ''}")
+    print(f"settings: TUNE and ROWS defaults{' + ' + str(chosen) if chosen else ''}")
     if a.json:
         import json
         Path(a.json).write_text(json.dumps(dict(bw_sum=bw, bw_add=bw_add, tune=base, rows=rows, sweep=sweep_log),
