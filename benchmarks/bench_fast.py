@@ -692,8 +692,8 @@ def pick(base: dict, scores: dict, rows_s: list) -> tuple[dict, list]:
                 continue
             at = {c: us for us, c in scores[(g, S)]}
             j = min(scores[(g, S)])[1]
-            if j != i:
-                diff = {k: v for k, v in knobs(g, j).items() if knobs(g, i)[k] != v}
+            diff = {k: v for k, v in knobs(g, j).items() if knobs(g, i)[k] != v}
+            if diff:
                 best["_rows"].setdefault(S, {}).update(diff)
                 lines.append(f"  launch {g} at S = {S}: candidate {j} -> ROWS[{S}] {diff} ({at[j]:.1f} vs "
                              f"{at.get(i, float('nan')):.1f} µs)")
@@ -726,7 +726,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-eager", action="store_true", help="skip timing the eager reference")
     ap.add_argument("--sweep", default="", help="';'-separated TUNE variants 'k=v,k=v' timed at --sweep-cases")
     ap.add_argument("--sweep-cases", default="1x1,4x4,8x4", help="cases of --sweep and of the tuning pass")
-    ap.add_argument("--no-tune", action="store_true", help="skip the tuning pass (use TUNE as it is)")
+    ap.add_argument("--no-tune", action="store_true", help="skip the tuning pass (use TUNE and ROWS as they are)")
     ap.add_argument("--set", default="", help="TUNE overrides 'k=v,...' for the main table")
     ap.add_argument("--json", default="", help="write every measured number to this file")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile processes")

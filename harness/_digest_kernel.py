@@ -1,6 +1,7 @@
 """The k3mix32x4 word sums (harness.digest) as one Triton launch per chunk, for tensors on a
 GPU: the torch path makes ~60 elementwise int64 passes over every word, this one reads each
-word once. Same integers, so the same digest (tests/test_digest.py runs it interpreted)."""
+word once. Same integers, so the same digest (tests/test_digest_kernel.py, interpreted on a
+CPU, compiled on a GPU)."""
 from __future__ import annotations
 
 import torch
