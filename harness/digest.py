@@ -68,17 +68,13 @@ def digest(t: torch.Tensor, kernel=None) -> str:
     step = 4 * _CHUNK
     for lo in range(0, n, step):
         chunk = b[lo:lo + step]
-        whole = chunk.numel() // 4 * 4
+        whole = chunk.numel() // 4 * 4 if kernel is not None else 0
         parts = []
-        if kernel is not None and whole:
-            w32 = chunk[:whole]
-            if w32.storage_offset() % 4:
-                w32 = w32.clone()
+        if whole:
+            w32 = chunk[:whole] if chunk.storage_offset() % 4 == 0 else chunk[:whole].clone()
             parts.append(kernel(w32.view(torch.int32), lo // 4))
-            if whole < chunk.numel():
-                parts.append(_sums_torch(chunk[whole:], (lo + whole) // 4))
-        else:
-            parts.append(_sums_torch(chunk, lo // 4))
+        if whole < chunk.numel():
+            parts.append(_sums_torch(chunk[whole:], (lo + whole) // 4))
         for p in parts:
             sums = [s + v for s, v in zip(sums, p)]
     return ALGO + ":" + "".join(f"{s % (1 << 64):016x}" for s in sums)
