@@ -104,11 +104,12 @@ def _check(key, kw, a, b, ta, tb):
     _close(tb["gate"], ta["gate"], cos_min=0.999999, ulp_frac=1.0)
 
 
-@pytest.mark.parametrize("case", ["block_write_delta_padding", "plain_no_delta_strided", "qlen1_unmerged_split"])
+@pytest.mark.parametrize("case", ["block_write_delta_padding", "gates_transposed", "plain_no_delta_strided",
+                                  "qlen1_unmerged_split"])
 def test_k1_matches_reference(backend, tune, k1_case, case):
-    if case == "block_write_delta_padding":
+    if case in ("block_write_delta_padding", "gates_transposed"):
         # layer 2 of tiny (block_size 2): writes bank row 1; every 2nd request is padding
-        tune.update(k1_nv=2, k1_hc=48)  # 3 AttnRes chunks of 43, 43, 42 columns
+        tune.update(k1_nv=2, k1_hc=48, rec_gt=case == "gates_transposed")  # 3 AttnRes chunks of 43, 43, 42 columns
         key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
         assert key.write_idx == 1
     elif case == "plain_no_delta_strided":

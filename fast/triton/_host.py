@@ -138,6 +138,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             rsd.stride(2), rsd.stride(3), st_idx, st_idx.stride(0), st_idx.stride(1), num_acc, core_out,
             core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
+            GT=T["rec_gt"],
             num_warps=T["rec_warps"], enable_fp_fusion=False)  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,
@@ -283,6 +284,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     # L3: routed gemm1 + SiTU (+ v quantization), shared down -> fin
     f = FMT_CODE[fmt]
     row = fmt == "mxfp4" and S == 1  # one token row: FMA dot products (_k2._xrow) may replace the MMAs
+    nv = dev.type == "cuda" and torch.version.hip is None  # NVIDIA: the PTX nibble decode may be used
     act = sc["lat"] if fmt == "bf16" else sc["latq"]  # perm32 order for the quantized formats
     w13s_ = w13s if packed else w13
     bsd = T["sd_bn"]
@@ -290,7 +292,8 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             w13, w13s_, w13.stride(0), w13.stride(1), w13s_.stride(0), w13s_.stride(1), sc["v"], sc["vs"], sc["h"],
             w_sd, w_sd.stride(0), sc["fin"], sc["x1part"], sc["ctr_x1"], S, LAT, RI, H, SI, NCH, DMAX, FMT=f, BR=BR,
             SP=SP, UNR=UNR1, X1S=X1S, BN=bsd, BK=_bk(SI, T["sd_bk"]), BETA=key.situ_beta, LBETA=key.situ_linear_beta,
-            STAG=T["stag"], SWAP=T["x1_swap"], ROW=row and T["x1_row"], SLOAD=T["x1_sload"], num_warps=T["x1_warps"],
+            STAG=T["stag"], SWAP=T["x1_swap"], ROW=row and T["x1_row"], SLOAD=T["x1_sload"], PTX=nv and T["x1_ptx"],
+            num_warps=T["x1_warps"],
             num_stages=T["x1_stages"])
     if tp:
         sh_tap = sc["fin"].clone()
@@ -299,7 +302,8 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_exp2_kernel, (NLB * DMAX,), sc["elist"], sc["nd"], sc["ids"], sc["tw"], sc["v"], sc["vs"], w2,
             w2s_, w2.stride(0), w2.stride(1), w2s_.stride(0), w2s_.stride(1), sc["contrib"], sc["y"], sc["ctr_lb"],
             S, LAT, RI, DMAX, FMT=f, BL=BL, SP=SP, UNR=_unr(RI, T["x2_unr"]), K=K, KP=_p2(K), STAG=T["stag"],
-            SWAP=T["x2_swap"], ROW=row and T["x2_row"], SLOAD=T["x2_sload"], num_warps=T["x2_warps"], num_stages=T["x2_stages"])
+            SWAP=T["x2_swap"], ROW=row and T["x2_row"], SLOAD=T["x2_sload"], PTX=nv and T["x2_ptx"], num_warps=T["x2_warps"],
+            num_stages=T["x2_stages"])
     # reduction 2; Ls = bf16(sum) inside the next launch
     ls32 = comm.all_reduce(sc["y"], rank).contiguous()
     # L5: latent norm + this rank's up-projection columns

@@ -1,7 +1,9 @@
 """Triton device functions shared by the K1 and K2 kernels.
 
-Portable Triton only (no inline assembly, no vendor libdevice): the same source runs
-on CUDA, on ROCm, and in the CPU interpreter (`TRITON_INTERPRET=1`, read once at import).
+Portable Triton (no vendor libdevice): the same source runs on CUDA, on ROCm, and in the
+CPU interpreter (`TRITON_INTERPRET=1`, read once at import). One exception, chosen by the
+host per launch: on NVIDIA the E2M1 nibble decode may be inline PTX (`e2m1_f16x2_ptx`, the
+same bits as `e2m1_f16x2`, checked on the device by tests/test_triton_gpu.py).
 """
 from __future__ import annotations
 
@@ -103,6 +105,31 @@ def e2m1_f16x2(b):
     lo = ((w & 0x7) << 9) | ((w & 0x8) << 12)
     hi = ((w & 0x70) << 5) | ((w & 0x80) << 8)
     return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_f16x2_ptx(b):
+    """e2m1_f16x2 as PTX on 4 packed bytes per instance: both nibble planes' fp16 high bytes
+    (em bits to 1..3, sign to 7) in 7 ALU ops, then spread into fp16 pairs by 4 byte permutes:
+    ~3 ops per byte instead of ~9. NVIDIA only (not in the interpreter)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 l, h, t;
+        shl.b32 t, $4, 1;
+        and.b32 l, t, 0x0E0E0E0E;
+        shl.b32 t, $4, 4;
+        and.b32 t, t, 0x80808080;
+        or.b32 l, l, t;
+        shr.u32 t, $4, 3;
+        and.b32 h, t, 0x0E0E0E0E;
+        and.b32 t, $4, 0x80808080;
+        or.b32 h, h, t;
+        prmt.b32 $0, l, 0, 0x1404;
+        prmt.b32 $1, l, 0, 0x3424;
+        prmt.b32 $2, h, 0, 0x1404;
+        prmt.b32 $3, h, 0, 0x3424;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit

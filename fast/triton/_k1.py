@@ -108,7 +108,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   rs_ptr, rss, rsh, rsv, rsk, st_ptr, str_, stj, na_ptr, core_ptr, sco, obuf_ptr, ctr_ptr,
                   tconv_ptr, tgate_ptr, tbeta_ptr, lower_bound, onorm_eps,
                   L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
-                  BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr):
+                  BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr,
+                  GT: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
@@ -133,11 +134,17 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     ri = tl.arange(0, RANK)
     # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
     rl = tl.arange(0, LP)
-    fa = tl.load(proj_ptr + (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], mask=(rl < L)[:, None], other=0.0)
-    wfbt = tl.load(wfb_ptr + (h * HD + kk)[None, :] * sfb + ri[:, None])  # [RANK, HD(k)]
-    g1 = bf16(mma(fa, wfbt, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
     A = tl.exp(tl.load(alog_ptr + h))
-    gate_all = lower_bound * sigmoid(A * (g1 + tl.load(dtb_ptr + h * HD + kk)[None, :]))  # [LP, HD]
+    if GT:  # [HD, LP]: the MMA's layout stays off the state (its [LP, HD] form made the state change layout per token)
+        fat = tl.load(proj_ptr + (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], mask=(rl < L)[None, :], other=0.0)
+        wfb = tl.load(wfb_ptr + (h * HD + kk)[:, None] * sfb + ri[None, :])  # [HD(k), RANK]
+        g1 = bf16(mma(wfb, fat, tl.zeros((HD, LP), dtype=tl.float32))).to(tl.float32)
+        gate_all = lower_bound * sigmoid(A * (g1 + tl.load(dtb_ptr + h * HD + kk)[:, None]))  # [HD, LP]
+    else:
+        fa = tl.load(proj_ptr + (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], mask=(rl < L)[:, None], other=0.0)
+        wfbt = tl.load(wfb_ptr + (h * HD + kk)[None, :] * sfb + ri[:, None])  # [RANK, HD(k)]
+        g1 = bf16(mma(fa, wfbt, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
+        gate_all = lower_bound * sigmoid(A * (g1 + tl.load(dtb_ptr + h * HD + kk)[None, :]))  # [LP, HD]
     beta_all = sigmoid(tl.load(proj_ptr + (row0 + rl) * spj + 4 * P + RANK + h, mask=rl < L, other=0.0).to(tl.float32))
     rbase = rs_ptr + h * rsh + vv[:, None] * rsv + kk[None, :] * rsk
     full = (vv[:, None] >= 0) & (kk[None, :] >= 0)
@@ -147,7 +154,10 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
         kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
         vc = _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-        gate = tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0)
+        if GT:
+            gate = tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1)
+        else:
+            gate = tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0)
         decay = tl.exp(gate)
         beta = tl.sum(tl.where(rl == j, beta_all, 0.0), axis=0)
         # l2-normalized q, k in fp32 (not rounded)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import (ares_phases, bf16, e2m1_f16x2, e8m0, gemv, int4_bf16x2, mma, mx8_quant_rows, mx_quant_rows,
+from ._jit import (ares_phases, bf16, e2m1_f16x2, e2m1_f16x2_ptx, e8m0, gemv, int4_bf16x2, mma, mx8_quant_rows, mx_quant_rows,
                    perm32, pow2, rsqrt, sigmoid, situ, splitk, ticket_done, wait_ge)
 
 
@@ -188,12 +188,22 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
 
 
 @triton.jit
-def _xblock(b, ae, ao, fa, fw, acc, FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, SWAP: tl.constexpr):
+def _nib(b, PTX: tl.constexpr):
+    """Packed E2M1 bytes -> (low, high nibble) fp16 planes (value·2^-14), PTX or portable."""
+    if PTX:
+        return e2m1_f16x2_ptx(b)
+    else:
+        return e2m1_f16x2(b)
+
+
+@triton.jit
+def _xblock(b, ae, ao, fa, fw, acc, FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, SWAP: tl.constexpr,
+            PTX: tl.constexpr):
     """acc + one 32-K block of one row set: the low/high nibble planes of b [BR, 16] against the
     even/odd activation halves ae/ao [SP, 16]; the block's exact sum scaled by its powers of
     two (fa [SP] activation, fw [BR] weight; mxfp4/a8w4) or its bf16 scale (fw; int4)."""
     if FMT != 2:
-        lo, hi = e2m1_f16x2(b)
+        lo, hi = _nib(b, PTX)
     else:
         lo, hi = int4_bf16x2(b)
     if SWAP:
@@ -212,7 +222,7 @@ def _xblock(b, ae, ao, fa, fw, acc, FMT: tl.constexpr, BR: tl.constexpr, SP: tl.
 
 @triton.jit
 def _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR: tl.constexpr, SP: tl.constexpr,
-          UNR: tl.constexpr, TWO: tl.constexpr):
+          UNR: tl.constexpr, TWO: tl.constexpr, PTX: tl.constexpr):
     """xgemm for one token row of mxfp4 (S == 1) by FMA dot products instead of MMAs: per 32 of K
     the row's exact block sum (E2M1·E2M1 products and their sums of 32 are exact in fp32, so
     the order inside a block does not matter) scaled as d·fa·fw and added in the same step /
@@ -242,12 +252,12 @@ def _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR: tl.constex
             ae = tl.load(a_ptr + kb * 32 + r16).to(tl.float32)
             ao = tl.load(a_ptr + kb * 32 + 16 + r16).to(tl.float32)
             fa = pow2(tl.sum(tl.where(ru == uu, a_cu, 0), axis=0) - 113)  # 2^(sa-127)·2^14
-            lo, hi = e2m1_f16x2(tl.load(wrow[:, None] + kb * 16 + r16[None, :]))
+            lo, hi = _nib(tl.load(wrow[:, None] + kb * 16 + r16[None, :]), PTX)
             d = tl.sum(lo.to(tl.float32) * ae[None, :] + hi.to(tl.float32) * ao[None, :], axis=1)
             fw = e8m0(tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.int32), 0), axis=1))
             acc = acc + d * fa * fw
             if TWO:
-                lo2, hi2 = e2m1_f16x2(tl.load(wrow2[:, None] + kb * 16 + r16[None, :]))
+                lo2, hi2 = _nib(tl.load(wrow2[:, None] + kb * 16 + r16[None, :]), PTX)
                 d2 = tl.sum(lo2.to(tl.float32) * ae[None, :] + hi2.to(tl.float32) * ao[None, :], axis=1)
                 fw2 = e8m0(tl.sum(tl.where(ru[None, :] == uu, s2_cu.to(tl.int32), 0), axis=1))
                 acc2 = acc2 + d2 * fa * fw2
@@ -256,9 +266,24 @@ def _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR: tl.constex
 
 
 @triton.jit
+def _codes(c, ru, UNR: tl.constexpr):
+    """[N, UNR] E8M0 codes -> [N] words holding code u in byte u (bytes disjoint: the sum is exact)."""
+    if UNR > 4:
+        return tl.sum(c.to(tl.int64) << (ru * 8).to(tl.int64)[None, :], axis=1)
+    else:
+        return tl.sum(c.to(tl.int32) << (ru * 8)[None, :], axis=1)
+
+
+@triton.jit
+def _code(w, uu: tl.constexpr):
+    """Byte uu of the words w, as int32."""
+    return ((w >> (8 * uu)) & 0xFF).to(tl.int32)
+
+
+@triton.jit
 def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, FMT: tl.constexpr,
           BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, SWAP: tl.constexpr, TWO: tl.constexpr,
-          ROW: tl.constexpr = False, SLOAD: tl.constexpr = False):
+          ROW: tl.constexpr = False, SLOAD: tl.constexpr = False, PTX: tl.constexpr = False):
     """(acc, acc2) [SP, BR] = a[:S] @ W[rows]^T over the K steps [ks0, ks0+nk) of 32·UNR, for one
     expert's rows in its own format; with TWO a second row set (wrow2/srow2) shares every
     activation load (gemm1's gate and up rows).
@@ -269,10 +294,10 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
     per row, see _xblock; the block sums are added in fp32 in step order from step koff
     (rotated), blocks in order within a step. The scales of the next step are loaded one step
     ahead (SLOAD: loaded per block instead). SWAP puts the weights on the MMA's M side (see gemv).
-    ROW (mxfp4, S == 1): _xrow.
+    ROW (mxfp4, S == 1): _xrow. PTX: the E2M1 decode as inline PTX (NVIDIA; same bits).
     """
     if ROW:
-        return _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR, SP, UNR, TWO)
+        return _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR, SP, UNR, TWO, PTX)
     rs = tl.arange(0, SP)
     sm = rs < S
     if SWAP:
@@ -319,6 +344,11 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
                 if FMT != 2:
                     a_cu = a_nx
                     a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
+                if FMT != 2:  # the step's codes as one word per row, code uu in byte uu: no per-block reductions
+                    s_w = _codes(s_cu, ru, UNR)
+                    a_w = _codes(a_cu, ru, UNR)
+                    if TWO:
+                        s2_w = _codes(s2_cu, ru, UNR)
             for uu in tl.static_range(UNR):
                 kb = kc * UNR + uu
                 b = tl.load(wrow[:, None] + kb * 16 + r16[None, :])
@@ -338,18 +368,18 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
                         if TWO:
                             fw2 = tl.load(srow2 + kb).to(tl.float32)
                 elif FMT != 2:
-                    fa = pow2(tl.sum(tl.where(ru[None, :] == uu, a_cu, 0), axis=1) - 113)  # 2^(sa-127)·2^14
-                    fw = e8m0(tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.int32), 0), axis=1))
+                    fa = pow2(_code(a_w, uu) - 113)  # 2^(sa-127)·2^14
+                    fw = e8m0(_code(s_w, uu))
                     if TWO:
-                        fw2 = e8m0(tl.sum(tl.where(ru[None, :] == uu, s2_cu.to(tl.int32), 0), axis=1))
+                        fw2 = e8m0(_code(s2_w, uu))
                 else:
                     fw = tl.sum(tl.where(ru[None, :] == uu, s_cu.to(tl.float32), 0.0), axis=1)
                     fa = fw
                     if TWO:
                         fw2 = tl.sum(tl.where(ru[None, :] == uu, s2_cu.to(tl.float32), 0.0), axis=1)
-                acc = _xblock(b, ae, ao, fa, fw, acc, FMT, BR, SP, SWAP)
+                acc = _xblock(b, ae, ao, fa, fw, acc, FMT, BR, SP, SWAP, PTX)
                 if TWO:
-                    acc2 = _xblock(b2, ae, ao, fa, fw2, acc2, FMT, BR, SP, SWAP)
+                    acc2 = _xblock(b2, ae, ao, fa, fw2, acc2, FMT, BR, SP, SWAP, PTX)
     if SWAP:
         return tl.trans(acc), tl.trans(acc2)
     else:
@@ -361,7 +391,7 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
                    h_ptr, wsd_ptr, swsd, fin_ptr, part_ptr, ctr_ptr, S, LAT, RI, H, SI, NCH, DMAX,
                    FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, X1S: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, STAG: tl.constexpr,
-                   SWAP: tl.constexpr, ROW: tl.constexpr, SLOAD: tl.constexpr):
+                   SWAP: tl.constexpr, ROW: tl.constexpr, SLOAD: tl.constexpr, PTX: tl.constexpr):
     """Grid (DMAX·NCH·X1S + cdiv(H, BN),): routed gemm1 + SiTU for (distinct pick i, RI chunk c,
     K split ks), then the shared-expert down projection sh -> fin (the up projection adds to it
     later).
@@ -387,7 +417,8 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
             sb = ws_ptr + e * ws_se
             nk = LAT // (32 * UNR) // X1S
             g, u = xgemm(wb + rr * w_sr, sb + rr * ws_sr, wb + (RI + rr) * w_sr, sb + (RI + rr) * ws_sr, a_ptr, LAT,
-                         as_ptr, LAT // 32, S, ks * nk, nk, (pid * STAG) % nk, FMT, BR, SP, UNR, SWAP, True, ROW, SLOAD)
+                         as_ptr, LAT // 32, S, ks * nk, nk, (pid * STAG) % nk, FMT, BR, SP, UNR, SWAP, True, ROW, SLOAD,
+                         PTX)
             last = True
             if X1S > 1:
                 pw = DMAX * 2 * RI
@@ -434,7 +465,7 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
                    contrib_ptr, y_ptr, ctr_ptr, S, LAT, RI, DMAX,
                    FMT: tl.constexpr, BL: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr,
                    K: tl.constexpr, KP: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, ROW: tl.constexpr,
-                   SLOAD: tl.constexpr):
+                   SLOAD: tl.constexpr, PTX: tl.constexpr):
     """Grid (NLB·DMAX,): routed gemm2 for (latent block lb, distinct pick i) -> contrib[t, k] =
     bf16(acc·w) for every token t that picked it (at its rank k); the last program of a
     latent block (acq_rel counter) sums y = bf16(y + contrib_k) in pick order for the block.
@@ -457,7 +488,7 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
         ko = (pid * STAG) % (RI // (32 * UNR))
         acc, _ = xgemm(w_ptr + e64 * w_se + rl * w_sr, ws_ptr + e64 * ws_se + rl * ws_sr, w_ptr, ws_ptr,
                        v_ptr + i * S * RI, RI, vs_ptr + i * S * (RI // 32), RI // 32, S, 0, RI // (32 * UNR), ko, FMT,
-                       BL, SP, UNR, SWAP, False, ROW, SLOAD)
+                       BL, SP, UNR, SWAP, False, ROW, SLOAD, PTX)
         tl.store(contrib_ptr + (rs[:, None] * K + kpos[:, None]) * LAT + rl[None, :], bf16(acc * wt[:, None]),
                  mask=has[:, None])
     tl.debug_barrier()
