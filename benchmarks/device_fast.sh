@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fused kernels (issue L) in one device call:
 #   bash benchmarks/device_fast.sh [OUT_DIR]
-# 1. the GPU-only kernel tests (the PTX nibble decode), then the same tests on a copy with a planted
-#    decode bug (they must fail);
+# 1. the GPU-only kernel tests (the PTX nibble decode; programmatic dependent launch changes no bit),
+#    then the nibble tests on a copy with a planted decode bug (they must fail);
 # 2. bench_fast (tuning pass, the table against the memory floor; BENCH_FAST_ARGS adds arguments);
 # 3. the golden set and a k3-tp8 capture set (--isolate: both views) through Triton on the GPU.
 # SKIP="tests fast golden isolate" leaves steps out; each step has its own time limit.
@@ -16,7 +16,7 @@ skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 python -c "import torch, triton, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if ! skip tests; then
 echo "=== GPU kernel tests"
-t 120 python -m pytest -q -p no:cacheprovider tests/test_triton_nibble.py 2>&1 | tail -3
+t 180 python -m pytest -q -p no:cacheprovider tests/test_triton_nibble.py tests/test_triton_pdl.py 2>&1 | tail -3
 echo "=== the same with a planted bug (byte permute of the second fp16 pair): must fail"
 rm -rf /tmp/plant && mkdir /tmp/plant && cp -r fast ref harness tests pyproject.toml /tmp/plant/
 sed -i 's/0x3424;/0x2434;/' /tmp/plant/fast/triton/_jit.py

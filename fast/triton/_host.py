@@ -14,7 +14,7 @@ import torch
 from ref import abi
 from ref.config import K2Build, KdaPreBuild
 
-from . import _k1, _k2
+from . import _jit, _k1, _k2
 from .tuning import settings
 
 _SCRATCH: dict = {}
@@ -60,6 +60,12 @@ def _scratch(tag, key, dev, dims, rank, make):
 
 def clear_scratch() -> None:
     _SCRATCH.clear()
+
+
+def _pdl(dev, T) -> dict:
+    """Options of a programmatic dependent launch (_jit.pdl_enter): NVIDIA only, TUNE pdl."""
+    on = T["pdl"] and dev.type == "cuda" and torch.version.hip is None and _jit.HAS_GDC
+    return dict(PDL=True, launch_pdl=True) if on else {}
 
 
 def _launch(kernel, grid, *args, **kw):
@@ -123,7 +129,8 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             sc["apart"], sc["mix"], sc["msq"], w_in, w_in.stride(0), sc["proj"], sc["part"], sc["ctr_n"], S, H,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
-            STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"])
+            STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
+            **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -138,8 +145,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             rsd.stride(2), rsd.stride(3), st_idx, st_idx.stride(0), st_idx.stride(1), num_acc, core_out,
             core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
-            GT=T["rec_gt"],
-            num_warps=T["rec_warps"], enable_fp_fusion=False)  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
+            GT=T["rec_gt"], num_warps=T["rec_warps"], enable_fp_fusion=False, **_pdl(dev, T))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,
                     o=sc["obuf"].clone())
@@ -266,7 +272,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     spl = _split(P // bko, T["o_split"])
     _launch(_k1.gemv_kernel, (triton_cdiv(H, bn) * spl,), core, core.stride(0), S, w_o, w_o.stride(0), sc["part"], H,
             H, P, sc["kpart"], sc["ctr_n"], BN=bn, BK=bko, SP=SP, SPLIT=spl, STAG=T["stag"], SWAP=T["k2_swap"],
-            num_warps=T["k2_warps"], num_stages=T["k2_stages"])
+            num_warps=T["k2_warps"], num_stages=T["k2_stages"], **_pdl(dev, T))
     # reduction 1 (rank-order fp32); delta = bf16(sum) inside the next launch
     d32 = comm.all_reduce(sc["part"], rank).contiguous()
     # L2: prefix update, AttnRes, norm, router + latent-down + shared gate/up GEMVs, top-k
@@ -280,7 +286,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"], BHC=ar["BHC"], ADD=3 if key.reset else 2, BN=bnm,
             BNL=BNL, BNS=BNS, BK=bkm, SP=SP, K=K, KP=_p2(K), KL=KL, CP=_p2(NG * KL), TP=_p2(S), FMT=FMT_CODE[fmt],
             BETA=key.situ_beta, LBETA=key.situ_linear_beta, SPLIT=spm, STAG=T["stag"], SWAP=T["mid_swap"], TAPS=tp,
-            num_warps=T["mid_warps"], num_stages=T["mid_stages"])
+            num_warps=T["mid_warps"], num_stages=T["mid_stages"], **_pdl(dev, T))
     # L3: routed gemm1 + SiTU (+ v quantization), shared down -> fin
     f = FMT_CODE[fmt]
     row = fmt == "mxfp4" and S == 1  # one token row: FMA dot products (_k2._xrow) may replace the MMAs
@@ -293,8 +299,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             w_sd, w_sd.stride(0), sc["fin"], sc["x1part"], sc["ctr_x1"], S, LAT, RI, H, SI, NCH, DMAX, FMT=f, BR=BR,
             SP=SP, UNR=UNR1, X1S=X1S, BN=bsd, BK=_bk(SI, T["sd_bk"]), BETA=key.situ_beta, LBETA=key.situ_linear_beta,
             STAG=T["stag"], SWAP=T["x1_swap"], ROW=row and T["x1_row"], SLOAD=T["x1_sload"], PTX=nv and T["x1_ptx"],
-            num_warps=T["x1_warps"],
-            num_stages=T["x1_stages"])
+            num_warps=T["x1_warps"], num_stages=T["x1_stages"], **_pdl(dev, T))
     if tp:
         sh_tap = sc["fin"].clone()
     # L4: routed gemm2, contributions, pick-order sum y
@@ -302,8 +307,8 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_exp2_kernel, (NLB * DMAX,), sc["elist"], sc["nd"], sc["ids"], sc["tw"], sc["v"], sc["vs"], w2,
             w2s_, w2.stride(0), w2.stride(1), w2s_.stride(0), w2s_.stride(1), sc["contrib"], sc["y"], sc["ctr_lb"],
             S, LAT, RI, DMAX, FMT=f, BL=BL, SP=SP, UNR=_unr(RI, T["x2_unr"]), K=K, KP=_p2(K), STAG=T["stag"],
-            SWAP=T["x2_swap"], ROW=row and T["x2_row"], SLOAD=T["x2_sload"], PTX=nv and T["x2_ptx"], num_warps=T["x2_warps"],
-            num_stages=T["x2_stages"])
+            SWAP=T["x2_swap"], ROW=row and T["x2_row"], SLOAD=T["x2_sload"], PTX=nv and T["x2_ptx"],
+            num_warps=T["x2_warps"], num_stages=T["x2_stages"], **_pdl(dev, T))
     # reduction 2; Ls = bf16(sum) inside the next launch
     ls32 = comm.all_reduce(sc["y"], rank).contiguous()
     # L5: latent norm + this rank's up-projection columns
@@ -313,7 +318,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_up_kernel, (S + triton_cdiv(UPN, bup) * spu,), sc["ctr_up"], ls32, ln_w, sc["ln"], w_up,
             w_up.stride(0), sc["fin"], sc["kpart"], sc["ctr_u"], S, LAT, H, UPN, rank * UPN, key.ln_eps, T["spin"],
             BN=bup, BK=bku, SP=SP, LATP=_p2(LAT), SPLIT=spu, STAG=T["stag"], SWAP=T["up_swap"], TP=_p2(S),
-            num_warps=T["up_warps"], num_stages=T["k2_stages"])
+            num_warps=T["up_warps"], num_stages=T["k2_stages"], **_pdl(dev, T))
     # reduction 3; out = bf16(sum) (the copy is the rounding)
     out.copy_(comm.all_reduce(sc["fin"], rank))
     if tp:

@@ -3,7 +3,8 @@
 Portable Triton (no vendor libdevice): the same source runs on CUDA, on ROCm, and in the
 CPU interpreter (`TRITON_INTERPRET=1`, read once at import). One exception, chosen by the
 host per launch: on NVIDIA the E2M1 nibble decode may be inline PTX (`e2m1_f16x2_ptx`, the
-same bits as `e2m1_f16x2`, checked on the device by tests/test_triton_gpu.py).
+same bits as `e2m1_f16x2`, checked on the device by tests/test_triton_nibble.py), and the
+kernels may be launched as programmatic dependents (`pdl_enter`).
 """
 from __future__ import annotations
 
@@ -12,8 +13,25 @@ import os
 import triton
 import triton.language as tl
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # a Triton without grid dependency control: the host never sets PDL
+    HAS_GDC = False
+
 INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 SPIN_LIMIT = tl.constexpr(1 << 22)
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of every kernel. With PDL (NVIDIA, launched with launch_pdl) this
+    kernel's programs may start before the previous kernel in the stream has finished: wait
+    until it has and its writes are visible, then let the next kernel's programs start (they
+    wait here in turn, so no program touches memory before every earlier kernel is done)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import ares_phases, bf16, gemv, mma, rsqrt, sigmoid, splitk, ticket_done, wait_ge
+from ._jit import ares_phases, bf16, gemv, mma, pdl_enter, rsqrt, sigmoid, splitk, ticket_done, wait_ge
 
 # ctr layout of a ticketed launch: [ticket, x chunks ready, programs done, spin overflow, router blocks done
 # (K2), -, -, -, phase-A count per row (S), phase-B count per row (S)]
@@ -13,10 +13,12 @@ from ._jit import ares_phases, bf16, gemv, mma, rsqrt, sigmoid, splitk, ticket_d
 
 @triton.jit
 def gemv_kernel(x_ptr, sx, S, w_ptr, sw, out_ptr, so, N, K, part_ptr, ctr_ptr, BN: tl.constexpr, BK: tl.constexpr,
-                SP: tl.constexpr, SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr):
+                SP: tl.constexpr, SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr,
+                PDL: tl.constexpr = False):
     """Grid (cdiv(N, BN)·SPLIT,): out[:S, n0:n0+BN] = bf16(x @ w^T), one rounding after fp32
     accumulation. SPLIT > 1 splits K: partial sums go to part[SPLIT, SP, N] and the last
     program of an output block (acq_rel counter) adds them in split order."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     nb = pid // SPLIT
     ks = pid % SPLIT
@@ -35,7 +37,8 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                   apart_ptr, mix_ptr, msq_ptr, w_ptr, sw, proj_ptr, part_ptr, ctrn_ptr, S, H, HC, CH, NP, eps, out_eps,
                   spin, NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr,
                   ADD: tl.constexpr, WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
-                  SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr):
+                  SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
     Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
@@ -44,6 +47,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
     with earlier tickets, so it ends (also on ROCm, also in the interpreter, which runs
     programs in order). The last program resets the counters.
     """
+    pdl_enter(PDL)
     ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     NA3 = 3 * S * CH
     if ticket < NA3:
@@ -109,13 +113,14 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   tconv_ptr, tgate_ptr, tbeta_ptr, lower_bound, onorm_eps,
                   L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
                   BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr,
-                  GT: tl.constexpr = False):
+                  GT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
     channels and the gated norm belong to the head, so the last of the NV programs of
     (r, h) to finish (an acq_rel counter) writes the q/k window carry and core_out.
     """
+    pdl_enter(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import (ares_phases, bf16, e2m1_f16x2, e2m1_f16x2_ptx, e8m0, gemv, int4_bf16x2, mma, mx8_quant_rows, mx_quant_rows,
-                   perm32, pow2, rsqrt, sigmoid, situ, splitk, ticket_done, wait_ge)
+from ._jit import (ares_phases, bf16, e2m1_f16x2, e2m1_f16x2_ptx, e8m0, gemv, int4_bf16x2, mma, mx8_quant_rows,
+                   mx_quant_rows, pdl_enter, perm32, pow2, rsqrt, sigmoid, situ, splitk, ticket_done, wait_ge)
 
 
 @triton.jit
@@ -95,7 +95,8 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
                   BN: tl.constexpr, BNL: tl.constexpr, BNS: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, KL: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr,
                   FMT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, SPLIT: tl.constexpr,
-                  STAG: tl.constexpr, SWAP: tl.constexpr, TAPS: tl.constexpr):
+                  STAG: tl.constexpr, SWAP: tl.constexpr, TAPS: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Grid (3·S·CH + (NG + NL + NS)·SPLIT,): steps 2-5 and the shared gate/up of step 6, one launch.
 
     Tickets < 3·S·CH: the AttnRes phases (prefix update, AttnRes, norm; _jit.ares_phases).
@@ -107,6 +108,7 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
     as fp16 with their E8M0 codes (lats), the bf16 values for int4.
     part: K-split partials [SPLIT, SP, E+LAT+2SI]; ctrn: per row block counters [NG | NL | NS].
     """
+    pdl_enter(PDL)
     ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     rs = tl.arange(0, SP)
     sm = (rs < S)[:, None]
@@ -391,7 +393,8 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
                    h_ptr, wsd_ptr, swsd, fin_ptr, part_ptr, ctr_ptr, S, LAT, RI, H, SI, NCH, DMAX,
                    FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, X1S: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, STAG: tl.constexpr,
-                   SWAP: tl.constexpr, ROW: tl.constexpr, SLOAD: tl.constexpr, PTX: tl.constexpr):
+                   SWAP: tl.constexpr, ROW: tl.constexpr, SLOAD: tl.constexpr, PTX: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Grid (DMAX·NCH·X1S + cdiv(H, BN),): routed gemm1 + SiTU for (distinct pick i, RI chunk c,
     K split ks), then the shared-expert down projection sh -> fin (the up projection adds to it
     later).
@@ -402,6 +405,7 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
     bf16), the other formats round it to bf16. Slots past the number of distinct picks return
     at once.
     """
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     rs = tl.arange(0, SP)
     sm = (rs < S)[:, None]
@@ -465,11 +469,12 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
                    contrib_ptr, y_ptr, ctr_ptr, S, LAT, RI, DMAX,
                    FMT: tl.constexpr, BL: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr,
                    K: tl.constexpr, KP: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, ROW: tl.constexpr,
-                   SLOAD: tl.constexpr, PTX: tl.constexpr):
+                   SLOAD: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (NLB·DMAX,): routed gemm2 for (latent block lb, distinct pick i) -> contrib[t, k] =
     bf16(acc·w) for every token t that picked it (at its rank k); the last program of a
     latent block (acq_rel counter) sums y = bf16(y + contrib_k) in pick order for the block.
     """
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     lb = pid // DMAX
     i = pid % DMAX
@@ -506,12 +511,14 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
 @triton.jit
 def k2_up_kernel(ctr_ptr, ls_ptr, lnw_ptr, ln_ptr, wup_ptr, swu, fin_ptr, part_ptr, ctrn_ptr, S, LAT, H, UPN, col0,
                  ln_eps, spin, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr, LATP: tl.constexpr,
-                 SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr):
+                 SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Grid (S + cdiv(UPN, BN)·SPLIT,), ticketed like k1_mid: tickets < S compute the latent norm
     of row t, LN = bf16(Ls·rsqrt(mean(Ls²) + ln_eps)·ln_w) with Ls = bf16(reduced y), into
     ln; the others wait for the S rows, then stream one K split of this rank's up-projection
     rows: fin = bf16(sh + LN @ w_up^T) on its columns (the last split adds the partials in split
     order). ctr as in k1_mid (ticket, rows ready, done, spin overflow)."""
+    pdl_enter(PDL)
     ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     rs = tl.arange(0, SP)
     sm = (rs < S)[:, None]

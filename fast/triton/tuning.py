@@ -5,6 +5,7 @@ from __future__ import annotations
 
 TUNE: dict = dict(
     stag=5,          # K-block visiting order offset per program (0: all programs in step)
+    pdl=False,       # NVIDIA: launches as programmatic dependents (_jit.pdl_enter); off: K2 8x4 344.7 vs 304.9 µs (NOTES v8)
     spin=1 << 22,    # polls of a ticket wait before it gives up (raising the flag health() reports)
     # K1 launch 1: AttnRes phases + in_proj
     k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
@@ -71,19 +72,19 @@ GROUPS: dict = {
 # bench_fast_h200_v5.txt; the v4 sweep: bench_fast_h200_v4_sweep.txt). A candidate that fails
 # to build or disagrees with the reference drops its whole variant, so risky ones share one.
 CANDIDATES: dict = {
-    ("k1", 0): [{}, dict(k1_stages=3), dict(k1_bn=16), dict(k1_bk=128), dict(k1_split=1), dict(k1_bk=128, k1_stages=6),
-                dict(k1_bn=16, k1_split=4), dict(k1_stages=2)],
-    ("k1", 1): [{}, dict(rec_gt=True), dict(rec_gt=True, rec_warps=2), dict(rec_gt=True, rec_warps=8),
-                dict(rec_gt=True, k1_nv=2), dict(rec_warps=8), dict(k1_nv=2), dict(rec_gt=True, k1_nv=8)],
-    ("k2", 0): [{}, dict(o_split=2), dict(k2_bk=128), dict(k2_bn=16, k2_warps=1), dict(k2_warps=4), dict(o_split=4),
-                dict(k2_stages=3), dict(k2_bn=64)],
+    ("k1", 0): [{}, dict(k1_stages=4), dict(k1_stages=8), dict(k1_bk=256, k1_stages=4), dict(k1_split=1),
+                dict(k1_bn=16), dict(k1_bn=16, k1_split=4), dict(k1_split=4)],
+    ("k1", 1): [{}, dict(rec_gt=False), dict(rec_warps=2), dict(rec_warps=8), dict(k1_nv=16),
+                dict(k1_nv=16, rec_warps=2), dict(k1_nv=4), dict(k1_nv=4, rec_warps=8)],
+    ("k2", 0): [{}, dict(o_split=2), dict(k2_bk=128), dict(k2_bn=32, k2_warps=2), dict(k2_warps=2), dict(o_split=4),
+                dict(k2_stages=3), dict(k2_bn=32)],
     ("k2", 1): [{}, dict(mid_split=2), dict(mid_bk=256), dict(mid_bn=64), dict(mid_warps=4), dict(mid_bnl=32),
                 dict(mid_bns=16), dict(mid_stages=3)],
     ("k2", 2): [{}, dict(x1_ptx=False), dict(x1_split=7), dict(x1_split=14), dict(x1_unr=2, x1_split=14),
                 dict(x1_split=1), dict(x1_unr=2, x1_split=7), dict(x1_unr=1, x1_split=16)],
     ("k2", 3): [{}, dict(x2_ptx=False), dict(x2_unr=4), dict(x2_unr=1), dict(x2_unr=4, x2_stages=2),
                 dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1, x2_warps=1)],
-    ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=128),
+    ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=256),
                 dict(up_split=4), dict(up_bn=128), dict(up_warps=8)],
 }
 

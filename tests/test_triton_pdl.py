@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (TUNE pdl, fast.triton._jit.pdl_enter) changes no bit: K1 and
+a K2 world step, several steps back to back in one stream so each launch's programs may start
+while the previous launch runs, with pdl on and off. NVIDIA only (compiled Triton)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_tier import triton  # noqa: F401  (sets TRITON_INTERPRET first)
+
+import ref  # noqa: E402
+from conftest import clone, make_k1, make_k2  # noqa: E402
+from ref import config as rcfg  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _on(kw: dict) -> dict:
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+def _steps(backend, k1, k2, n=3):
+    """n steps of K1 then the K2 world on the GPU; every output and in-place cache after each step."""
+    key1, kw1 = k1
+    key2, ranks = k2
+    a = _on(clone(kw1))
+    rs = [_on(clone(r)) for r in ranks]
+    out = []
+    for _ in range(n):
+        backend.kda_pre(key1, **a)
+        ref.k2_world(key2, rs, launch=backend.k2_launch)
+        out += [a["core_out"].clone(), a["rstate"].clone(), a["conv_state"].clone(), a["prefix"].clone()]
+        out += [r["out"].clone() for r in rs]
+    torch.cuda.synchronize()
+    return [t.cpu() for t in out]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_pdl_changes_no_bit(fmt):
+    from fast.triton import BACKEND, _jit
+    from fast.triton.tuning import TUNE
+
+    if _jit.INTERP or not torch.cuda.is_available() or torch.version.hip is not None or not _jit.HAS_GDC:
+        pytest.skip("programmatic dependent launch needs an NVIDIA GPU (compiled Triton)")
+    cfg = rcfg.get_config("small")
+    k1 = make_k1(cfg, 3, R=2, L=4)
+    k2 = make_k2(cfg, 3, fmt=fmt, S=8)
+    saved = TUNE["pdl"]
+    try:
+        TUNE["pdl"] = False
+        off = _steps(BACKEND, k1, k2)
+        TUNE["pdl"] = True
+        on = _steps(BACKEND, k1, k2)
+    finally:
+        TUNE["pdl"] = saved
+    assert len(on) == len(off)
+    for i, (x, y) in enumerate(zip(on, off)):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with pdl on"
