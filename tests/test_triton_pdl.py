@@ -1,6 +1,7 @@
 """Programmatic dependent launch (TUNE pdl, fast.triton._jit.pdl_enter) changes no bit: K1 and
 a K2 world step, several steps back to back in one stream so each launch's programs may start
-while the previous launch runs, with pdl on and off. NVIDIA only (compiled Triton)."""
+while the previous launch runs, with pdl off and in both modes (the next launch let in at each
+kernel's start, or as its programs exit). NVIDIA only (compiled Triton)."""
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,9 @@ def _steps(backend, k1, k2, n=3):
     return [t.cpu() for t in out]
 
 
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
-def test_pdl_changes_no_bit(fmt):
+def test_pdl_changes_no_bit(fmt, mode):
     from fast.triton import BACKEND, _jit
     from fast.triton.tuning import TUNE
 
@@ -47,12 +49,12 @@ def test_pdl_changes_no_bit(fmt):
     k2 = make_k2(cfg, 3, fmt=fmt, S=8)
     saved = TUNE["pdl"]
     try:
-        TUNE["pdl"] = False
+        TUNE["pdl"] = 0
         off = _steps(BACKEND, k1, k2)
-        TUNE["pdl"] = True
+        TUNE["pdl"] = mode
         on = _steps(BACKEND, k1, k2)
     finally:
         TUNE["pdl"] = saved
     assert len(on) == len(off)
     for i, (x, y) in enumerate(zip(on, off)):
-        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with pdl on"
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with pdl {mode}"

@@ -1,6 +1,7 @@
 """Triton backend, interpreted (tiny config): the one-token mxfp4 routed GEMMs by FMA dot
 products (TUNE x1_row / x2_row, fast.triton._k2._xrow) against the reference's routed stage
-fed the backend's own lat / picks bit for bit, and against the MMA path bit for bit.
+fed the backend's own lat / picks bit for bit, and against the MMA path bit for bit; likewise
+the scale codes loaded per block and as one word per step (x1_sload, x1_sw).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from triton_tier import backend, triton, tune  # noqa: E402,F401  (sets TRITON_I
 import triton.language as tl  # noqa: E402,F401  (visible to the jit function below)
 
 import ref  # noqa: E402
-from fast.triton import _jit as fj  # noqa: E402
+from fast.triton import _jit as fj, _k2  # noqa: E402
 from conftest import clone, make_k2  # noqa: E402
 from ref._num import Num  # noqa: E402
 from ref.routed_experts import routed_experts  # noqa: E402
@@ -65,7 +66,6 @@ def _pow2_off(e):
 
 def test_planted_scale_bug_fails(backend, tune, seed, monkeypatch):
     """The row path with every activation scale read one binade high must fail both comparisons."""
-    from fast.triton import _k2
     key, ranks = make_k2(seed=seed, fmt="mxfp4", layer=1, S=1)
     tune.update(x1_row=False, x2_row=False)
     mma = _run(backend, key, ranks)
@@ -84,3 +84,34 @@ def test_scales_loaded_per_block_same_bits(backend, tune, seed, fmt):
     key, ranks = make_k2(seed=seed, fmt=fmt, layer=1, S=5)
     _same_bits(backend, tune, key, ranks, fmt, dict(x1_unr=2, x2_unr=2), dict(x1_sload=True, x2_sload=True),
                "per-block scale loads")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "a8w4"])
+def test_scale_words_same_bits(backend, tune, seed, fmt):
+    """TUNE x1_sw / x2_sw (a step's scale codes loaded as one word per row) against the codes
+    loaded as bytes and packed, several tokens (the MMA path), bit for bit; y against the
+    isolated stage."""
+    key, ranks = make_k2(seed=seed, fmt=fmt, layer=1, S=5)
+    _same_bits(backend, tune, key, ranks, fmt, dict(x1_unr=2, x2_unr=1, x1_sw=False, x2_sw=False),
+               dict(x1_sw=True, x2_sw=True), "word scale loads")
+
+
+@triton.jit
+def _words_probe(src, out, UNR: tl.constexpr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    w = _k2._words(src + r * (2 * UNR), 1, r < N, UNR)
+    tl.store(out + r, w.to(tl.int64))
+
+
+@pytest.mark.parametrize("unr", [1, 2, 4, 8])
+def test_words_little_endian(backend, unr):
+    """_k2._words at every width against the word packed in Python: row r's step-1 codes
+    (bytes r·2·UNR + UNR .. + 2·UNR) with code u in byte u, high bits set in every byte."""
+    N = 4
+    src = torch.randint(128, 256, (N * 2 * unr,), dtype=torch.uint8, generator=torch.Generator().manual_seed(unr))
+    out = torch.zeros(N, dtype=torch.int64)
+    _words_probe[(1,)](src, out, UNR=unr, N=N)
+    want = [sum(int(src[r * 2 * unr + unr + u]) << (8 * u) for u in range(unr)) for r in range(N)]
+    bits = 64 if unr == 8 else 32
+    got = [int(v) % (1 << bits) for v in out]
+    assert got == [w % (1 << bits) for w in want]

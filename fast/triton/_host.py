@@ -65,7 +65,7 @@ def clear_scratch() -> None:
 def _pdl(dev, T) -> dict:
     """Options of a programmatic dependent launch (_jit.pdl_enter): NVIDIA only, TUNE pdl."""
     on = T["pdl"] and dev.type == "cuda" and torch.version.hip is None and _jit.HAS_GDC
-    return dict(PDL=True, launch_pdl=True) if on else {}
+    return dict(PDL=int(T["pdl"]), launch_pdl=True) if on else {}
 
 
 def _launch(kernel, grid, *args, **kw):
@@ -299,16 +299,17 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             w_sd, w_sd.stride(0), sc["fin"], sc["x1part"], sc["ctr_x1"], S, LAT, RI, H, SI, NCH, DMAX, FMT=f, BR=BR,
             SP=SP, UNR=UNR1, X1S=X1S, BN=bsd, BK=_bk(SI, T["sd_bk"]), BETA=key.situ_beta, LBETA=key.situ_linear_beta,
             STAG=T["stag"], SWAP=T["x1_swap"], ROW=row and T["x1_row"], SLOAD=T["x1_sload"], PTX=nv and T["x1_ptx"],
-            num_warps=T["x1_warps"], num_stages=T["x1_stages"], **_pdl(dev, T))
+            SW=T["x1_sw"] and _words_ok(w13s_, UNR1), num_warps=T["x1_warps"], num_stages=T["x1_stages"], **_pdl(dev, T))
     if tp:
         sh_tap = sc["fin"].clone()
     # L4: routed gemm2, contributions, pick-order sum y
     w2s_ = w2s if packed else w2
+    UNR2 = _unr(RI, T["x2_unr"])
     _launch(_k2.k2_exp2_kernel, (NLB * DMAX,), sc["elist"], sc["nd"], sc["ids"], sc["tw"], sc["v"], sc["vs"], w2,
             w2s_, w2.stride(0), w2.stride(1), w2s_.stride(0), w2s_.stride(1), sc["contrib"], sc["y"], sc["ctr_lb"],
-            S, LAT, RI, DMAX, FMT=f, BL=BL, SP=SP, UNR=_unr(RI, T["x2_unr"]), K=K, KP=_p2(K), STAG=T["stag"],
+            S, LAT, RI, DMAX, FMT=f, BL=BL, SP=SP, UNR=UNR2, K=K, KP=_p2(K), STAG=T["stag"],
             SWAP=T["x2_swap"], ROW=row and T["x2_row"], SLOAD=T["x2_sload"], PTX=nv and T["x2_ptx"],
-            num_warps=T["x2_warps"], num_stages=T["x2_stages"], **_pdl(dev, T))
+            SW=T["x2_sw"] and _words_ok(w2s_, UNR2), num_warps=T["x2_warps"], num_stages=T["x2_stages"], **_pdl(dev, T))
     # reduction 2; Ls = bf16(sum) inside the next launch
     ls32 = comm.all_reduce(sc["y"], rank).contiguous()
     # L5: latent norm + this rank's up-projection columns
@@ -325,6 +326,12 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
         taps.update(delta=sc["tapd"].clone(), x=sc["x"].clone(), logits=sc["logits"].clone(),
                     topk_ids=sc["ids"].clone(), topk_w=sc["tw"].clone(), lat=sc["lat"].clone(), sh=sh_tap,
                     y=sc["y"].clone(), ln=sc["ln"].clone(), fin=sc["fin"].clone())
+
+
+def _words_ok(scales: torch.Tensor, unr: int) -> bool:
+    """Whether a step's UNR scale codes of every row can load as one aligned word (_k2._words)."""
+    return scales.element_size() == 1 and scales.data_ptr() % unr == 0 and \
+        all(st % unr == 0 for st in scales.stride()[:-1])
 
 
 def _unr(kd: int, want: int) -> int:

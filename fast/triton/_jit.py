@@ -27,11 +27,13 @@ SPIN_LIMIT = tl.constexpr(1 << 22)
 def pdl_enter(PDL: tl.constexpr):
     """First statement of every kernel. With PDL (NVIDIA, launched with launch_pdl) this
     kernel's programs may start before the previous kernel in the stream has finished: wait
-    until it has and its writes are visible, then let the next kernel's programs start (they
-    wait here in turn, so no program touches memory before every earlier kernel is done)."""
+    until it has and its writes are visible; with PDL == 1 then let the next kernel's programs
+    start at once, with PDL == 2 as this kernel's programs exit (they wait here in turn, so no
+    program touches memory before every earlier kernel is done)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
 
 
 @triton.jit

@@ -277,6 +277,20 @@ def _codes(c, ru, UNR: tl.constexpr):
 
 
 @triton.jit
+def _words(p, kc, mask, UNR: tl.constexpr):
+    """The UNR E8M0 codes of step kc at each of the pointers p (UNR consecutive bytes, aligned
+    to UNR) as one little-endian word: code u in byte u, the form _codes builds."""
+    if UNR == 8:
+        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int64)), mask=mask, other=0)
+    elif UNR == 4:
+        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    elif UNR == 2:
+        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32) & 0xFFFF
+    else:
+        return tl.load(p + kc, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
 def _code(w, uu: tl.constexpr):
     """Byte uu of the words w, as int32."""
     return ((w >> (8 * uu)) & 0xFF).to(tl.int32)
@@ -285,7 +299,8 @@ def _code(w, uu: tl.constexpr):
 @triton.jit
 def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, FMT: tl.constexpr,
           BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, SWAP: tl.constexpr, TWO: tl.constexpr,
-          ROW: tl.constexpr = False, SLOAD: tl.constexpr = False, PTX: tl.constexpr = False):
+          ROW: tl.constexpr = False, SLOAD: tl.constexpr = False, PTX: tl.constexpr = False,
+          SW: tl.constexpr = False):
     """(acc, acc2) [SP, BR] = a[:S] @ W[rows]^T over the K steps [ks0, ks0+nk) of 32·UNR, for one
     expert's rows in its own format; with TWO a second row set (wrow2/srow2) shares every
     activation load (gemm1's gate and up rows).
@@ -296,7 +311,9 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
     per row, see _xblock; the block sums are added in fp32 in step order from step koff
     (rotated), blocks in order within a step. The scales of the next step are loaded one step
     ahead (SLOAD: loaded per block instead). SWAP puts the weights on the MMA's M side (see gemv).
-    ROW (mxfp4, S == 1): _xrow. PTX: the E2M1 decode as inline PTX (NVIDIA; same bits).
+    ROW (mxfp4, S == 1): _xrow. PTX: the E2M1 decode as inline PTX (NVIDIA; same bits). SW
+    (mxfp4 / a8w4 with the step prefetch): the weights' codes of a step loaded as one word per
+    row (_words; the scale strides divisible by UNR); the activation codes (int32) are packed.
     """
     if ROW:
         return _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR, SP, UNR, TWO, PTX)
@@ -328,7 +345,14 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
         ru = tl.arange(0, UNR)
         kc = ks0 + koff % nk
         PF: tl.constexpr = not SLOAD
-        if PF:
+        WL: tl.constexpr = SW and FMT != 2 and PF
+        if WL:  # the weights' step codes as one word per row: no per-block layout change of them
+            rall = tl.full((BR,), 1, tl.int1)
+            s_nx = _words(srow, kc, rall, UNR)
+            if TWO:
+                s2_nx = _words(srow2, kc, rall, UNR)
+            a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
+        elif PF:
             s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
             if TWO:
                 s2_nx = tl.load(srow2[:, None] + kc * UNR + ru[None, :])
@@ -337,7 +361,16 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
         for it in range(0, nk):
             kc = ks0 + (it + koff) % nk
             kn = ks0 + (it + 1 + koff) % nk
-            if PF:
+            if WL:
+                s_w = s_nx
+                s_nx = _words(srow, kn, rall, UNR)
+                if TWO:
+                    s2_w = s2_nx
+                    s2_nx = _words(srow2, kn, rall, UNR)
+                a_cu = a_nx  # the activation codes are int32 (one per element): packed as before
+                a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
+                a_w = _codes(a_cu, ru, UNR)
+            elif PF:
                 s_cu = s_nx
                 s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
                 if TWO:
@@ -394,7 +427,7 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
                    FMT: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr, X1S: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, STAG: tl.constexpr,
                    SWAP: tl.constexpr, ROW: tl.constexpr, SLOAD: tl.constexpr, PTX: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   SW: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (DMAX·NCH·X1S + cdiv(H, BN),): routed gemm1 + SiTU for (distinct pick i, RI chunk c,
     K split ks), then the shared-expert down projection sh -> fin (the up projection adds to it
     later).
@@ -422,7 +455,7 @@ def k2_exp1_kernel(elist_ptr, nd_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, w_se, w_sr, 
             nk = LAT // (32 * UNR) // X1S
             g, u = xgemm(wb + rr * w_sr, sb + rr * ws_sr, wb + (RI + rr) * w_sr, sb + (RI + rr) * ws_sr, a_ptr, LAT,
                          as_ptr, LAT // 32, S, ks * nk, nk, (pid * STAG) % nk, FMT, BR, SP, UNR, SWAP, True, ROW, SLOAD,
-                         PTX)
+                         PTX, SW)
             last = True
             if X1S > 1:
                 pw = DMAX * 2 * RI
@@ -469,7 +502,7 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
                    contrib_ptr, y_ptr, ctr_ptr, S, LAT, RI, DMAX,
                    FMT: tl.constexpr, BL: tl.constexpr, SP: tl.constexpr, UNR: tl.constexpr,
                    K: tl.constexpr, KP: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, ROW: tl.constexpr,
-                   SLOAD: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
+                   SLOAD: tl.constexpr, PTX: tl.constexpr, SW: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (NLB·DMAX,): routed gemm2 for (latent block lb, distinct pick i) -> contrib[t, k] =
     bf16(acc·w) for every token t that picked it (at its rank k); the last program of a
     latent block (acq_rel counter) sums y = bf16(y + contrib_k) in pick order for the block.
@@ -493,7 +526,7 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
         ko = (pid * STAG) % (RI // (32 * UNR))
         acc, _ = xgemm(w_ptr + e64 * w_se + rl * w_sr, ws_ptr + e64 * ws_se + rl * ws_sr, w_ptr, ws_ptr,
                        v_ptr + i * S * RI, RI, vs_ptr + i * S * (RI // 32), RI // 32, S, 0, RI // (32 * UNR), ko, FMT,
-                       BL, SP, UNR, SWAP, False, ROW, SLOAD, PTX)
+                       BL, SP, UNR, SWAP, False, ROW, SLOAD, PTX, SW)
         tl.store(contrib_ptr + (rs[:, None] * K + kpos[:, None]) * LAT + rl[None, :], bf16(acc * wt[:, None]),
                  mask=has[:, None])
     tl.debug_barrier()

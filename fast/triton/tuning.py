@@ -5,7 +5,8 @@ from __future__ import annotations
 
 TUNE: dict = dict(
     stag=5,          # K-block visiting order offset per program (0: all programs in step)
-    pdl=False,       # NVIDIA: launches as programmatic dependents (_jit.pdl_enter); off: K2 8x4 344.7 vs 304.9 µs (NOTES v8)
+    pdl=0,           # NVIDIA: launches as programmatic dependents (_jit.pdl_enter: 1 the next starts at once, 2 as
+                     # programs exit); 0, off: K2 8x4 304.9 vs 344.7 µs with 1 (NOTES v8)
     spin=1 << 22,    # polls of a ticket wait before it gives up (raising the flag health() reports)
     # K1 launch 1: AttnRes phases + in_proj
     k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
@@ -13,36 +14,39 @@ TUNE: dict = dict(
     k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
     # K1 launch 2: conv, gates, recurrence, gated norm
-    k1_nv=8,         # programs per (request, head) in the recurrence (value-row split)
+    k1_nv=16,        # programs per (request, head) in the recurrence (value-row split)
     rec_warps=4,
     rec_gt=True,     # the gates' MMA as [HD, LP] (w_fb @ f_a^T) so its layout stays off the state
     # K2 launch 1: o_proj
-    k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=4, k2_swap=False, o_split=1,
+    k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=3, k2_swap=False, o_split=1,
     # K2 launch 2: AttnRes phases + router / latent-down / shared gate-up GEMVs + top-k
-    mid_hc=1024, mid_bn=128, mid_bnl=64, mid_bns=32, mid_bk=128, mid_warps=8, mid_stages=4, mid_swap=True,
+    mid_hc=1024, mid_bn=128, mid_bnl=64, mid_bns=32, mid_bk=128, mid_warps=8, mid_stages=3, mid_swap=True,
     mid_split=4,
     # K2 launch 3: routed gemm1 (+ shared down)
-    x1_br=64, x1_unr=4, x1_warps=4, x1_stages=3, x1_swap=False,
-    x1_split=4, x1_fill=1024,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
+    # 2 warps, 2 stages, no K split: K2 at 8x4 259.4 µs vs 278.5 with 4 warps, 2 stages, split 2 (v9, calls 3-5)
+    x1_br=64, x1_unr=4, x1_warps=2, x1_stages=2, x1_swap=False,
+    x1_split=1, x1_fill=1024,  # gemm1 K split when fewer than x1_fill (pick slot, chunk) programs exist
     x1_row=True,     # mxfp4 at one token: FMA dot products instead of MMAs (same bits)
     x1_sload=False,  # quantized blocks' scales loaded per block (True) or per step and picked out (False)
     x1_ptx=True,     # NVIDIA: the E2M1 nibble decode as inline PTX (_jit.e2m1_f16x2_ptx; same bits)
+    x1_sw=True,      # the weights' scale codes of a step as one word per row (_k2._words; same bits): K2 8x4 295.5 vs 304.5 µs (v9)
     sd_bn=32, sd_bk=256,
     # K2 launch 4: routed gemm2 + pick-order sum
     x2_bl=64, x2_unr=2, x2_warps=2, x2_stages=3, x2_swap=False, x2_row=True, x2_sload=False, x2_ptx=True,
+    x2_sw=True,      # as x1_sw
     # K2 launch 5: latent norm + up projection
-    up_bn=64, up_bk=128, up_warps=4, up_swap=True, up_split=7,
+    up_bn=64, up_bk=256, up_warps=4, up_swap=True, up_split=7,
 )
 
 # Overrides of TUNE for builds with few token rows: a build of S rows uses ROWS[m] for the
 # smallest m >= S (none past the largest m). The tuning pass picks them per S (bench_fast);
-# these are the picks it made in both of two H200 runs (benchmarks/NOTES.md, v7; µs of the
-# launch alone, override vs TUNE, runs 1 / 2): at 1 row one in_proj K split (36.0 vs 38.9 /
-# 35.3 vs 40.5), a 4-warp mid launch (46.8 vs 50.1 / 46.2 vs 54.4), o_proj in 16-column blocks
-# of 1 warp (11.5 vs 12.0 / 12.0 vs 12.3), gemm1 with 2-block steps split 14 ways (34.0 vs 34.6
-# / 33.6 vs 36.1); at 2-4 rows gemm1 without a K split (95.0 vs 103.6 / 95.1 vs 103.0).
-ROWS: dict = {1: dict(k1_bk=256, k1_stages=4, k1_split=1, k1_nv=4, mid_warps=4, x2_stages=4, up_bk=256),
-              4: dict(k2_bn=32, k2_warps=2, up_bk=256)}
+# these are the picks of the v9 H200 pass (call 1, benchmarks/NOTES.md v9; µs of the launch alone,
+# override vs TUNE): at 1 row in_proj in 256-wide K blocks of 4 stages (36.4 vs 38.8), mid on 4
+# warps (46.7 vs 54.8), gemm1 with 3 stages and a K split of 4 (28.5 vs 57.0: the FMA row path);
+# at 2-4 rows the mid launch with 4 stages (49.5 vs 55.2), gemm1 as at one row (88.1 vs 90.0).
+ROWS: dict = {1: dict(k1_bk=256, k1_stages=4, k1_nv=8, k2_bn=32, k2_warps=2, k2_stages=4, mid_warps=4, mid_stages=4,
+                      x1_stages=3, x1_split=4, x2_unr=4, x2_stages=2, up_bk=128),
+              4: dict(k2_stages=4, mid_stages=4, x1_stages=3, x1_split=4, up_bk=128, up_warps=8)}
 
 
 def settings(rows: int) -> dict:
@@ -59,31 +63,30 @@ GROUPS: dict = {
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
-    ("k2", 2): ("x1_br", "x1_unr", "x1_warps", "x1_stages", "x1_swap", "x1_split", "x1_fill", "x1_row", "x1_sload", "x1_ptx", "sd_bn",
+    ("k2", 2): ("x1_br", "x1_unr", "x1_warps", "x1_stages", "x1_swap", "x1_split", "x1_fill", "x1_row", "x1_sload", "x1_ptx", "x1_sw", "sd_bn",
                 "sd_bk"),
-    ("k2", 3): ("x2_bl", "x2_unr", "x2_warps", "x2_stages", "x2_swap", "x2_row", "x2_sload", "x2_ptx"),
+    ("k2", 3): ("x2_bl", "x2_unr", "x2_warps", "x2_stages", "x2_swap", "x2_row", "x2_sload", "x2_ptx", "x2_sw"),
     ("k2", 4): ("up_bn", "up_bk", "up_warps", "up_swap", "up_split"),
 }
 
 # Candidates per launch; candidate i of every group runs together in variant i of the tuning
 # pass (each applied over TUNE), and each launch keeps its fastest candidate. TUNE holds what
-# the tuning passes chose (x1_row / x2_row in v6; k2_stages 4, mid_warps 8, up_bk 256 on main,
-# v6c; benchmarks/NOTES.md, over v5's choice:
-# bench_fast_h200_v5.txt; the v4 sweep: bench_fast_h200_v4_sweep.txt). A candidate that fails
+# the tuning passes chose (the v9 pass: bench_fast_h200_v9.txt; x1_row / x2_row in v6, over
+# v5's choice: bench_fast_h200_v5.txt; the v4 sweep: bench_fast_h200_v4_sweep.txt). A candidate that fails
 # to build or disagrees with the reference drops its whole variant, so risky ones share one.
 CANDIDATES: dict = {
-    ("k1", 0): [{}, dict(k1_stages=4), dict(k1_stages=8), dict(k1_bk=256, k1_stages=4), dict(k1_split=1),
-                dict(k1_bn=16), dict(k1_bn=16, k1_split=4), dict(k1_split=4)],
+    ("k1", 0): [{}, dict(k1_stages=4), dict(k1_stages=5), dict(k1_bk=256, k1_stages=4), dict(k1_split=1),
+                dict(k1_bn=16), dict(k1_bn=16, k1_split=4), dict(k1_split=4), dict(k1_warps=4), dict(k1_hc=512)],
     ("k1", 1): [{}, dict(rec_gt=False), dict(rec_warps=2), dict(rec_warps=8), dict(k1_nv=16),
                 dict(k1_nv=16, rec_warps=2), dict(k1_nv=4), dict(k1_nv=4, rec_warps=8)],
     ("k2", 0): [{}, dict(o_split=2), dict(k2_bk=128), dict(k2_bn=32, k2_warps=2), dict(k2_warps=2), dict(o_split=4),
                 dict(k2_stages=3), dict(k2_bn=32)],
     ("k2", 1): [{}, dict(mid_split=2), dict(mid_bk=256), dict(mid_bn=64), dict(mid_warps=4), dict(mid_bnl=32),
-                dict(mid_bns=16), dict(mid_stages=3)],
-    ("k2", 2): [{}, dict(x1_ptx=False), dict(x1_split=7), dict(x1_split=14), dict(x1_unr=2, x1_split=14),
-                dict(x1_split=1), dict(x1_unr=2, x1_split=7), dict(x1_unr=1, x1_split=16)],
-    ("k2", 3): [{}, dict(x2_ptx=False), dict(x2_unr=4), dict(x2_unr=1), dict(x2_unr=4, x2_stages=2),
-                dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1, x2_warps=1)],
+                dict(mid_bns=16), dict(mid_stages=3), dict(mid_split=8), dict(mid_stages=5)],
+    ("k2", 2): [{}, dict(x1_sw=False), dict(x1_stages=3), dict(x1_split=2), dict(x1_unr=2, x1_split=14),
+                dict(x1_warps=4), dict(x1_split=2, x1_warps=4), dict(x1_warps=1), dict(x1_unr=2), dict(x1_split=4)],
+    ("k2", 3): [{}, dict(x2_sw=False), dict(x2_unr=4), dict(x2_unr=1), dict(x2_unr=4, x2_stages=2),
+                dict(x2_stages=2), dict(x2_stages=4), dict(x2_unr=1, x2_warps=1), dict(x2_warps=4), dict(x2_bl=32)],
     ("k2", 4): [{}, dict(up_split=14), dict(up_bn=32, up_split=14), dict(up_warps=2), dict(up_bk=256),
                 dict(up_split=4), dict(up_bn=128), dict(up_warps=8)],
 }
