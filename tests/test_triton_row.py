@@ -115,3 +115,15 @@ def test_words_little_endian(backend, unr):
     bits = 64 if unr == 8 else 32
     got = [int(v) % (1 << bits) for v in out]
     assert got == [w % (1 << bits) for w in want]
+
+
+def test_words_ok_guard():
+    """The host takes the word loads only for byte codes, contiguous along K, whose row strides
+    and base are multiples of the word: else the per-byte path (same bits, just slower)."""
+    from fast.triton._host import _words_ok
+    s = torch.zeros(3, 8, 16, dtype=torch.uint8)
+    assert _words_ok(s, 4) and _words_ok(s, 8)
+    assert not _words_ok(s.transpose(1, 2), 4)  # codes not contiguous along K
+    assert not _words_ok(s[:, :, 1:], 2)  # base off the word boundary
+    assert not _words_ok(torch.zeros(3, 8, 12, dtype=torch.uint8), 8)  # row stride 12
+    assert not _words_ok(torch.zeros(3, 8, 16, dtype=torch.bfloat16), 4)  # int4's bf16 scales

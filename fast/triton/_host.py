@@ -330,7 +330,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
 
 def _words_ok(scales: torch.Tensor, unr: int) -> bool:
     """Whether a step's UNR scale codes of every row can load as one aligned word (_k2._words)."""
-    return scales.element_size() == 1 and scales.data_ptr() % unr == 0 and \
+    return scales.element_size() == 1 and scales.stride(-1) == 1 and scales.data_ptr() % unr == 0 and \
         all(st % unr == 0 for st in scales.stride()[:-1])
 
 
