@@ -99,7 +99,7 @@ def test_scale_words_same_bits(backend, tune, seed, fmt):
 @triton.jit
 def _words_probe(src, out, UNR: tl.constexpr, N: tl.constexpr):
     r = tl.arange(0, N)
-    w = _k2._words(src + r * (2 * UNR), 1, r < N, UNR)
+    w = _k2._words(src + r * (2 * UNR), 1, UNR)
     tl.store(out + r, w.to(tl.int64))
 
 
@@ -109,7 +109,7 @@ def test_words_little_endian(backend, unr):
     (bytes r·2·UNR + UNR .. + 2·UNR) with code u in byte u, high bits set in every byte."""
     N = 4
     src = torch.randint(128, 256, (N * 2 * unr,), dtype=torch.uint8, generator=torch.Generator().manual_seed(unr))
-    out = torch.zeros(N, dtype=torch.int64)
+    out = torch.full((N,), -1, dtype=torch.int64)
     _words_probe[(1,)](src, out, UNR=unr, N=N)
     want = [sum(int(src[r * 2 * unr + unr + u]) << (8 * u) for u in range(unr)) for r in range(N)]
     bits = 64 if unr == 8 else 32

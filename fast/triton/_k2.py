@@ -277,17 +277,27 @@ def _codes(c, ru, UNR: tl.constexpr):
 
 
 @triton.jit
-def _words(p, kc, mask, UNR: tl.constexpr):
+def _words(p, kc, UNR: tl.constexpr):
     """The UNR E8M0 codes of step kc at each of the pointers p (UNR consecutive bytes, aligned
     to UNR) as one little-endian word: code u in byte u, the form _codes builds."""
     if UNR == 8:
-        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int64)), mask=mask, other=0)
+        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int64)))
     elif UNR == 4:
-        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int32)))
     elif UNR == 2:
-        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return tl.load((p + kc * UNR).to(tl.pointer_type(tl.int16))).to(tl.int32) & 0xFFFF
     else:
-        return tl.load(p + kc, mask=mask, other=0).to(tl.int32)
+        return tl.load(p + kc).to(tl.int32)
+
+
+@triton.jit
+def _step_codes(p, kc, ru, UNR: tl.constexpr, WL: tl.constexpr):
+    """A weight row's scales of step kc at each of the row pointers p: one word per row (WL,
+    _words) or the [rows, UNR] bytes."""
+    if WL:
+        return _words(p, kc, UNR)
+    else:
+        return tl.load(p[:, None] + kc * UNR + ru[None, :])
 
 
 @triton.jit
@@ -313,7 +323,7 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
     ahead (SLOAD: loaded per block instead). SWAP puts the weights on the MMA's M side (see gemv).
     ROW (mxfp4, S == 1): _xrow. PTX: the E2M1 decode as inline PTX (NVIDIA; same bits). SW
     (mxfp4 / a8w4 with the step prefetch): the weights' codes of a step loaded as one word per
-    row (_words; the scale strides divisible by UNR); the activation codes (int32) are packed.
+    row (_step_codes; the host checks the strides, _host._words_ok).
     """
     if ROW:
         return _xrow(wrow, srow, wrow2, srow2, a_ptr, as_ptr, ks0, nk, koff, BR, SP, UNR, TWO, PTX)
@@ -345,45 +355,34 @@ def xgemm(wrow, srow, wrow2, srow2, a_ptr, sar, as_ptr, sasr, S, ks0, nk, koff, 
         ru = tl.arange(0, UNR)
         kc = ks0 + koff % nk
         PF: tl.constexpr = not SLOAD
-        WL: tl.constexpr = SW and FMT != 2 and PF
-        if WL:  # the weights' step codes as one word per row: no per-block layout change of them
-            rall = tl.full((BR,), 1, tl.int1)
-            s_nx = _words(srow, kc, rall, UNR)
+        WL: tl.constexpr = SW and FMT != 2
+        if PF:
+            s_nx = _step_codes(srow, kc, ru, UNR, WL)
             if TWO:
-                s2_nx = _words(srow2, kc, rall, UNR)
-            a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
-        elif PF:
-            s_nx = tl.load(srow[:, None] + kc * UNR + ru[None, :])
-            if TWO:
-                s2_nx = tl.load(srow2[:, None] + kc * UNR + ru[None, :])
+                s2_nx = _step_codes(srow2, kc, ru, UNR, WL)
             if FMT != 2:
                 a_nx = tl.load(as_ptr + rs[:, None] * sasr + kc * UNR + ru[None, :], mask=sm[:, None], other=0)
         for it in range(0, nk):
             kc = ks0 + (it + koff) % nk
             kn = ks0 + (it + 1 + koff) % nk
-            if WL:
-                s_w = s_nx
-                s_nx = _words(srow, kn, rall, UNR)
-                if TWO:
-                    s2_w = s2_nx
-                    s2_nx = _words(srow2, kn, rall, UNR)
-                a_cu = a_nx  # the activation codes are int32 (one per element): packed as before
-                a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
-                a_w = _codes(a_cu, ru, UNR)
-            elif PF:
+            if PF:
                 s_cu = s_nx
-                s_nx = tl.load(srow[:, None] + kn * UNR + ru[None, :])
+                s_nx = _step_codes(srow, kn, ru, UNR, WL)
                 if TWO:
                     s2_cu = s2_nx
-                    s2_nx = tl.load(srow2[:, None] + kn * UNR + ru[None, :])
-                if FMT != 2:
+                    s2_nx = _step_codes(srow2, kn, ru, UNR, WL)
+                if FMT != 2:  # the step's codes as one word per row, code uu in byte uu: no per-block reductions
                     a_cu = a_nx
                     a_nx = tl.load(as_ptr + rs[:, None] * sasr + kn * UNR + ru[None, :], mask=sm[:, None], other=0)
-                if FMT != 2:  # the step's codes as one word per row, code uu in byte uu: no per-block reductions
-                    s_w = _codes(s_cu, ru, UNR)
-                    a_w = _codes(a_cu, ru, UNR)
-                    if TWO:
-                        s2_w = _codes(s2_cu, ru, UNR)
+                    a_w = _codes(a_cu, ru, UNR)  # the activation codes are int32, one per element
+                    if WL:
+                        s_w = s_cu
+                        if TWO:
+                            s2_w = s2_cu
+                    else:
+                        s_w = _codes(s_cu, ru, UNR)
+                        if TWO:
+                            s2_w = _codes(s2_cu, ru, UNR)
             for uu in tl.static_range(UNR):
                 kb = kc * UNR + uu
                 b = tl.load(wrow[:, None] + kb * 16 + r16[None, :])
