@@ -175,3 +175,27 @@ def test_rows_overrides_reach_one_row_builds_only(backend, tune, k1_case, monkey
     key2, kw2 = k1_case(layer=1, R=2, L=1)
     _run(backend, key2, kw2)
     assert seen == [1, 2]
+
+
+def test_rec_cap_halves_the_value_split(backend, tune, k1_case, monkeypatch):
+    """TUNE rec_cap: a build whose requests·heads·k1_nv exceeds it launches the recurrence with
+    k1_nv halved until it fits (here 3·2·2 = 12 > 6: one item per head), still matching the
+    reference; under the cap the split stays."""
+    from fast.triton import _host, _k1
+
+    grids = []
+    real = _host._launch
+
+    def spy(kernel, grid, *a, **kw):
+        if kernel is _k1.k1_rec_kernel:
+            grids.append(tuple(grid))
+        return real(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(_host, "_launch", spy)
+    tune.update(k1_nv=2, rec_cap=6)
+    key, kw = k1_case(layer=2, R=3, L=2, with_delta=True)
+    _check(key, kw, *_run(backend, key, kw))
+    tune.update(rec_cap=12)
+    _run(backend, key, kw)
+    nh = kw["a_log"].shape[0]
+    assert grids == [(3, nh, 1), (3, nh, 2)]

@@ -107,6 +107,8 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     R = S // L
     T = settings(S)
     NV = max(1, min(T["k1_nv"], HD // 8))  # value-row programs per head (HD is a power of two)
+    while NV > 1 and R * NH * NV > T["rec_cap"]:
+        NV //= 2
     BV = HD // NV
     bk = _bk(H, T["k1_bk"])
     bn = T["k1_bn"]

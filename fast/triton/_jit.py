@@ -341,7 +341,7 @@ def ares_carry(t, c, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, 
     if WRITE_IDX >= 0:
         tl.store(blocks_ptr + t * sbt + WRITE_IDX * sbb + rh, pre, mask=hm)
     rs = tl.arange(0, NBP)
-    v = _sources(t, rh, hm, rs, pre.to(tl.float32), blocks_ptr, sbt, sbb, NB, WRITE_IDX)
+    v = _sources(_bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX), rs, pre.to(tl.float32), NB, WRITE_IDX)
     cw = tl.load(nw_ptr + rh, mask=hm, other=0.0).to(tl.float32) * tl.load(qk_ptr + rh, mask=hm, other=0.0).to(
         tl.float32)
     base = apart_ptr + (t * CH + c) * (2 * NBP)
@@ -350,10 +350,11 @@ def ares_carry(t, c, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, 
 
 
 @triton.jit
-def ares_mix(t, c, prefix_ptr, sp, blocks_ptr, sbt, sbb, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
+def ares_mix(t, c, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
              NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, WRITE_IDX: tl.constexpr):
     """Phase B, chunk c of row t (after the row's phase A): logits from the chunk partials (summed
-    in chunk order), softmax, the mixed chunk Σ p_s·v_s (fp32, stored), its partial Σ mixed²."""
+    in chunk order), softmax, the mixed chunk Σ p_s·v_s (fp32, stored), its partial Σ mixed².
+    bank: the chunk's bank rows (_bank), loaded before the wait (phase A never writes them)."""
     rs = tl.arange(0, NBP)
     rc = tl.arange(0, CHP)
     pm = (rc < CH)[:, None]
@@ -367,24 +368,24 @@ def ares_mix(t, c, prefix_ptr, sp, blocks_ptr, sbt, sbb, apart_ptr, mix_ptr, msq
     rh = c * HC + tl.arange(0, BHC)
     hm = (tl.arange(0, BHC) < HC) & (rh < H)
     pre = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
-    v = _sources(t, rh, hm, rs, pre, blocks_ptr, sbt, sbb, NB, WRITE_IDX)
+    v = _sources(bank, rs, pre, NB, WRITE_IDX)
     mixed = tl.sum(p[:, None] * v, axis=0)
     tl.store(mix_ptr + t * H + rh, mixed, mask=hm)
     tl.store(msq_ptr + t * CHP + c, tl.sum(mixed * mixed, axis=0))
 
 
 @triton.jit
-def ares_norm(t, c, mix_ptr, msq_ptr, inw_ptr, x_ptr, sx, H, HC, CH, out_eps,
+def ares_norm(t, c, mix_ptr, msq_ptr, w, x_ptr, sx, H, HC, CH, out_eps,
               CHP: tl.constexpr, BHC: tl.constexpr):
     """Phase C, chunk c of row t (after the row's phase B): x = bf16(mixed·rsqrt(mean(mixed²) +
-    out_eps)·in_nw), the one rounding of the input norm."""
+    out_eps)·in_nw), the one rounding of the input norm. w: the chunk's in_nw (fp32), loaded
+    before the wait."""
     rc = tl.arange(0, CHP)
     ms = tl.sum(tl.load(msq_ptr + t * CHP + rc, mask=rc < CH, other=0.0, cache_modifier=".cg"), axis=0)
     r = rsqrt(ms / H + out_eps)
     rh = c * HC + tl.arange(0, BHC)
     hm = (tl.arange(0, BHC) < HC) & (rh < H)
     mixed = tl.load(mix_ptr + t * H + rh, mask=hm, other=0.0, cache_modifier=".cg")
-    w = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32)
     tl.store(x_ptr + t * sx + rh, bf16(mixed * r * w), mask=hm)
 
 
@@ -407,14 +408,18 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 8 + t, 1, sem="release", scope="gpu")
     elif ph == 1:
+        rh = c * HC + tl.arange(0, BHC)
+        bank = _bank(t, rh, (tl.arange(0, BHC) < HC) & (rh < H), blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
         wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3)
-        ares_mix(t, c, prefix_ptr, sp, blocks_ptr, sbt, sbb, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
+        ares_mix(t, c, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
                  NB, NBP, CHP, BHC, WRITE_IDX)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 8 + S + t, 1, sem="release", scope="gpu")
     else:
+        rh = c * HC + tl.arange(0, BHC)
+        w = tl.load(inw_ptr + rh, mask=(tl.arange(0, BHC) < HC) & (rh < H), other=0.0).to(tl.float32)
         wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3)
-        ares_norm(t, c, mix_ptr, msq_ptr, inw_ptr, x_ptr, H, H, HC, CH, out_eps, CHP, BHC)
+        ares_norm(t, c, mix_ptr, msq_ptr, w, x_ptr, H, H, HC, CH, out_eps, CHP, BHC)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
 
@@ -435,11 +440,19 @@ def ticket_done(ctr_ptr, total, S, TP: tl.constexpr):
 
 
 @triton.jit
-def _sources(t, rh, hm, rs, pre, blocks_ptr, sbt, sbb, NB: tl.constexpr, WRITE_IDX: tl.constexpr):
-    """[NBP, BHC] fp32: bank rows 0..NB-1 (row WRITE_IDX reads as the new prefix), the prefix
-    `pre` (fp32 values) as row NB, zeros below."""
+def _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP: tl.constexpr, NB: tl.constexpr, WRITE_IDX: tl.constexpr):
+    """[NBP, BHC] fp32: bank rows 0..NB-1 of row t at columns rh, except row WRITE_IDX (the
+    one row AttnRes writes), zeros there and below."""
+    rs = tl.arange(0, NBP)
     isb = (rs < NB) & (rs != WRITE_IDX)
-    vb = tl.load(blocks_ptr + t * sbt + rs[:, None] * sbb + rh[None, :],
-                 mask=isb[:, None] & hm[None, :], other=0.0).to(tl.float32)
+    return tl.load(blocks_ptr + t * sbt + rs[:, None] * sbb + rh[None, :],
+                   mask=isb[:, None] & hm[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sources(vb, rs, pre, NB: tl.constexpr, WRITE_IDX: tl.constexpr):
+    """[NBP, BHC] fp32: the bank rows vb (_bank) with row WRITE_IDX read as the new prefix, the
+    prefix `pre` (fp32 values) as row NB, zeros below."""
+    isb = (rs < NB) & (rs != WRITE_IDX)
     isp = (rs == NB) | ((rs == WRITE_IDX) & (rs < NB))
     return tl.where(isb[:, None], vb, tl.where(isp[:, None], pre[None, :], 0.0))

@@ -92,9 +92,8 @@ def _conv_y(j: tl.constexpr, W: tl.constexpr, c, cw_ptr, scw, csb, csc, csp, a, 
 
 
 @triton.jit
-def _conv_carry(c, csb, csc, csp, a, proj_ptr, spj, row0, do_write, W: tl.constexpr, L: tl.constexpr,
-                SEQP: tl.constexpr):
-    """conv_state[slot, c, 0:W-2+L] = seq[1:] (exact bf16 copies); all reads precede the writes."""
+def _carry_load(c, csb, csc, csp, a, proj_ptr, spj, row0, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr):
+    """[SEQP, channels]: seq[1:W-1+L] of channels c (bf16 as stored), the new conv window."""
     rp = tl.arange(0, SEQP)
     src = rp + 1
     keep = rp < W - 2 + L
@@ -102,9 +101,16 @@ def _conv_carry(c, csb, csc, csp, a, proj_ptr, spj, row0, do_write, W: tl.conste
     v1 = tl.load(csb + c[None, :] * csc + (a - 1 + src)[:, None] * csp, mask=(inwin & keep)[:, None], other=0.0)
     v2 = tl.load(proj_ptr + (row0 + src - (W - 1))[:, None] * spj + c[None, :], mask=(keep & (src >= W - 1))[:, None],
                  other=0.0)
-    val = tl.where(inwin[:, None], v1, v2)
+    return tl.where(inwin[:, None], v1, v2)
+
+
+@triton.jit
+def _carry_store(val, c, csb, csc, csp, do_write, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr):
+    """conv_state[slot, c, 0:W-2+L] = val (_carry_load, exact copies), after a barrier: every read of the
+    window by this program's threads precedes the writes."""
+    rp = tl.arange(0, SEQP)
     tl.debug_barrier()
-    tl.store(csb + c[None, :] * csc + rp[:, None] * csp, val, mask=tl.where(do_write, keep[:, None], False))
+    tl.store(csb + c[None, :] * csc + rp[:, None] * csp, val, mask=tl.where(do_write, (rp < W - 2 + L)[:, None], False))
 
 
 @triton.jit
@@ -125,9 +131,12 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     h = tl.program_id(1)
     vb = tl.program_id(2)
     P: tl.constexpr = NH * HD
+    # the request's slots in one load beside num_acc's (a dependent load costs a round trip)
+    rl = tl.arange(0, LP)
     a = tl.load(na_ptr + r)
-    sc = tl.load(st_ptr + r * str_)
-    s0 = tl.load(st_ptr + r * str_ + (a - 1) * stj)
+    slots = tl.load(st_ptr + r * str_ + rl * stj, mask=rl < L, other=0)
+    sc = tl.sum(tl.where(rl == 0, slots, 0), axis=0)
+    s0 = tl.sum(tl.where(rl == a - 1, slots, 0), axis=0)
     live = s0 > 0
     kk = tl.arange(0, HD)
     vv = vb * BV + tl.arange(0, BV)
@@ -136,9 +145,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     cv = 2 * P + h * HD + vv
     csb = cs_ptr + tl.maximum(sc, 0).to(tl.int64) * css  # a null conv slot reads slot 0
     row0 = r * L
+    carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)  # before the chain: no wait after it
     ri = tl.arange(0, RANK)
     # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
-    rl = tl.arange(0, LP)
     A = tl.exp(tl.load(alog_ptr + h))
     if GT:  # [HD, LP]: the MMA's layout stays off the state (its [LP, HD] form made the state change layout per token)
         fat = tl.load(proj_ptr + (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], mask=(rl < L)[None, :], other=0.0)
@@ -175,7 +184,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         o = bf16(tl.sum(st * qn[None, :], axis=1))
         o = tl.where(live, o, 0.0)
         tl.store(obuf_ptr + t * P + h * HD + vv, o)
-        slot = tl.load(st_ptr + r * str_ + j * stj)
+        slot = tl.sum(tl.where(rl == j, slots, 0), axis=0)
         tl.store(rbase + tl.maximum(slot, 0).to(tl.int64) * rss, st, mask=tl.where(live & (slot > 0), full, False))
         if TAPS:
             tl.store(tconv_ptr + t * (3 * P) + cv, vc.to(tl.bfloat16))
@@ -184,7 +193,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                 tl.store(tconv_ptr + t * (3 * P) + ck, kc.to(tl.bfloat16))
                 tl.store(tgate_ptr + t * P + h * HD + kk, gate)
                 tl.store(tbeta_ptr + t * NH + h, beta)
-    _conv_carry(cv, csb, csc, csp, a, proj_ptr, spj, row0, sc > 0, W, L, SEQP)
+    _carry_store(carry_v, cv, csb, csc, csp, sc > 0, W, L, SEQP)
     if NV > 1:
         tl.debug_barrier()
         last = tl.atomic_add(ctr_ptr + r * NH + h, 1, sem="acq_rel", scope="gpu") == NV - 1
@@ -194,8 +203,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         if NV > 1:
             tl.atomic_xchg(ctr_ptr + r * NH + h, 0, sem="relaxed", scope="gpu")
             tl.debug_barrier()
-        _conv_carry(cq, csb, csc, csp, a, proj_ptr, spj, row0, sc > 0, W, L, SEQP)
-        _conv_carry(ck, csb, csc, csp, a, proj_ptr, spj, row0, sc > 0, W, L, SEQP)
+        # the q/k windows' loads in flight with the gated norm's; stored after it
+        carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
+        carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
         onw = tl.load(onw_ptr + kk).to(tl.float32)
         for j in tl.static_range(L):
             t = row0 + j
@@ -203,3 +213,5 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
             g2 = tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32)
             y = oh * rsqrt(tl.sum(oh * oh, axis=0) / HD + onorm_eps) * onw * sigmoid(g2)
             tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))
+        _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP)
+        _carry_store(carry_k, ck, csb, csc, csp, sc > 0, W, L, SEQP)
