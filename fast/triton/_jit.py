@@ -311,16 +311,14 @@ def splitk(acc, part_ptr, pitch, ctr_ptr, nb, ks, S, N, n0, BN: tl.constexpr, SP
 # each source), mix [S, H] fp32 (the mixed row, never rounded), msq [S, CHP] (Σ mixed² per chunk).
 
 @triton.jit
-def ares_carry(t, c, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr, H, HC,
-               CH, NB: tl.constexpr, NBP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
+def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr, H, CH,
+               NB: tl.constexpr, NBP: tl.constexpr, ADD: tl.constexpr,
                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr):
     """Phase A, chunk c of row t: the carry update, then per source the partial Σ v·c and Σ v².
 
     ADD 0: prefix as is; 1: prefix = bf16(prefix + delta) (K1); 2: prefix = bf16(prefix +
     bf16(d32)) (K2); 3: prefix = bf16(d32) (K2 block-write reset). WRITE_IDX >= 0 copies the
     new prefix into blocks[t, WRITE_IDX] (and that bank row reads as the new prefix)."""
-    rh = c * HC + tl.arange(0, BHC)
-    hm = (tl.arange(0, BHC) < HC) & (rh < H)
     p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
     if ADD == 1:
         d = tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0)
@@ -350,8 +348,8 @@ def ares_carry(t, c, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, 
 
 
 @triton.jit
-def ares_mix(t, c, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
-             NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, WRITE_IDX: tl.constexpr):
+def ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
+             NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, WRITE_IDX: tl.constexpr):
     """Phase B, chunk c of row t (after the row's phase A): logits from the chunk partials (summed
     in chunk order), softmax, the mixed chunk Σ p_s·v_s (fp32, stored), its partial Σ mixed².
     bank: the chunk's bank rows (_bank), loaded before the wait (phase A never writes them)."""
@@ -365,8 +363,6 @@ def ares_mix(t, c, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, HC, CH,
     logit = tl.where(rs <= NB, logit, float("-inf"))
     ex = tl.exp(logit - tl.max(logit, axis=0))
     p = ex / tl.sum(ex, axis=0)
-    rh = c * HC + tl.arange(0, BHC)
-    hm = (tl.arange(0, BHC) < HC) & (rh < H)
     pre = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
     v = _sources(bank, rs, pre, NB, WRITE_IDX)
     mixed = tl.sum(p[:, None] * v, axis=0)
@@ -375,16 +371,13 @@ def ares_mix(t, c, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, HC, CH,
 
 
 @triton.jit
-def ares_norm(t, c, mix_ptr, msq_ptr, w, x_ptr, sx, H, HC, CH, out_eps,
-              CHP: tl.constexpr, BHC: tl.constexpr):
+def ares_norm(t, c, rh, hm, mix_ptr, msq_ptr, w, x_ptr, sx, H, CH, out_eps, CHP: tl.constexpr):
     """Phase C, chunk c of row t (after the row's phase B): x = bf16(mixed·rsqrt(mean(mixed²) +
     out_eps)·in_nw), the one rounding of the input norm. w: the chunk's in_nw (fp32), loaded
     before the wait."""
     rc = tl.arange(0, CHP)
     ms = tl.sum(tl.load(msq_ptr + t * CHP + rc, mask=rc < CH, other=0.0, cache_modifier=".cg"), axis=0)
     r = rsqrt(ms / H + out_eps)
-    rh = c * HC + tl.arange(0, BHC)
-    hm = (tl.arange(0, BHC) < HC) & (rh < H)
     mixed = tl.load(mix_ptr + t * H + rh, mask=hm, other=0.0, cache_modifier=".cg")
     tl.store(x_ptr + t * sx + rh, bf16(mixed * r * w), mask=hm)
 
@@ -402,24 +395,24 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
     j = ticket % NA
     t = j // CH
     c = j % CH
+    rh = c * HC + tl.arange(0, BHC)  # the chunk's columns
+    hm = (tl.arange(0, BHC) < HC) & (rh < H)
     if ph == 0:
-        ares_carry(t, c, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr,
-                   H, HC, CH, NB, NBP, BHC, ADD, WRITE_IDX, TAPS)
+        ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr,
+                   H, CH, NB, NBP, ADD, WRITE_IDX, TAPS)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 8 + t, 1, sem="release", scope="gpu")
     elif ph == 1:
-        rh = c * HC + tl.arange(0, BHC)
-        bank = _bank(t, rh, (tl.arange(0, BHC) < HC) & (rh < H), blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
+        bank = _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
         wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3)
-        ares_mix(t, c, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps,
-                 NB, NBP, CHP, BHC, WRITE_IDX)
+        ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
+                 NB, NBP, CHP, WRITE_IDX)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 8 + S + t, 1, sem="release", scope="gpu")
     else:
-        rh = c * HC + tl.arange(0, BHC)
-        w = tl.load(inw_ptr + rh, mask=(tl.arange(0, BHC) < HC) & (rh < H), other=0.0).to(tl.float32)
+        w = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32)
         wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3)
-        ares_norm(t, c, mix_ptr, msq_ptr, w, x_ptr, H, H, HC, CH, out_eps, CHP, BHC)
+        ares_norm(t, c, rh, hm, mix_ptr, msq_ptr, w, x_ptr, H, H, CH, out_eps, CHP)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
 
