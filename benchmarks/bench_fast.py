@@ -216,6 +216,11 @@ def k1_exact_masks(key, kw, W):
 
 def check_case(backend, key1, k1, key2, k2):
     """Reference vs backend at these dims; returns a list of compare() rows."""
+    return check_k1(backend, key1, k1) + check_k2(backend, key2, k2)
+
+
+def check_k1(backend, key1, k1):
+    """K1 rows of check_case: bookkeeping bit-exact, the new conv entries, written states and core_out by cosine."""
     rows = []
     a, b = clone(k1), clone(k1)
     for x in (a, b):  # poison the slots no request references (finite: the reference rejects NaN inputs)
@@ -232,6 +237,12 @@ def check_case(backend, key1, k1, key2, k2):
     rows.append(compare("k1.rstate(untouched)", b["rstate"].cpu()[rs], a["rstate"].cpu()[rs], exact=True))
     rows.append(compare("k1.rstate(written)", b["rstate"].cpu()[~rs], a["rstate"].cpu()[~rs]))
     rows.append(compare("k1.core_out", b["core_out"], a["core_out"]))
+    return rows
+
+
+def check_k2(backend, key2, k2):
+    """K2 rows of check_case (routing sets, taps, out; the one-launch reductions; health())."""
+    rows = []
     a, b = clone(k2), clone(k2)
     ta, tb = {}, {}
     ref.k2_launch(key2, **a, rank=0, comm=ReplicaComm(), taps=ta)

@@ -199,3 +199,25 @@ def test_rec_cap_halves_the_value_split(backend, tune, k1_case, monkeypatch):
     _run(backend, key, kw)
     nh = kw["a_log"].shape[0]
     assert grids == [(3, nh, 1), (3, nh, 2)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat"])
+def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
+    """k1_xc (no AttnRes phase C: the in_proj items normalize x block by block, the rows' factor
+    summed in the same chunk order) and rec_flat (the token chain with q/k in the state's layout,
+    the state-independent work first) give the default launch's bits, every tap included, and
+    match the reference."""
+    tune.update(k1_nv=2, k1_hc=48)
+    key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
+    _, b, _, tb = _run(backend, key, kw)
+    tune.update(**{knob: True})
+    a, c, ta, tc = _run(backend, key, kw)
+    _check(key, kw, a, c, ta, tc)
+    for n in ("prefix", "blocks", "conv_state", "rstate", "core_out"):
+        assert torch.equal(_bits(c[n]), _bits(b[n])), n
+    for n in tb:
+        assert torch.equal(_bits(tc[n]), _bits(tb[n])), f"tap {n}"

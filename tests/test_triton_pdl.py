@@ -58,3 +58,47 @@ def test_pdl_changes_no_bit(fmt, mode):
     assert len(on) == len(off)
     for i, (x, y) in enumerate(zip(on, off)):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with pdl {mode}"
+
+
+def test_rec_pdl_and_stamps_change_no_bit():
+    """TUNE rec_pdl (the recurrence as k1_mid's programmatic dependent, its state and w_fb loaded
+    before the wait) and the timeline build (stamps) give the plain launch's bits over several K1
+    steps; every stamped program has start <= after-wait <= end."""
+    from fast.triton import BACKEND, _host, _jit
+    from fast.triton.tuning import TUNE
+
+    if _jit.INTERP or not torch.cuda.is_available() or torch.version.hip is not None or not _jit.HAS_GDC:
+        pytest.skip("programmatic dependent launch needs an NVIDIA GPU (compiled Triton)")
+    cfg = rcfg.get_config("small")
+    key, kw = make_k1(cfg, 3, R=2, L=4)
+
+    def steps():
+        a = _on(clone(kw))
+        out = []
+        for _ in range(3):
+            BACKEND.kda_pre(key, **a)
+            out += [a["core_out"].clone(), a["rstate"].clone(), a["conv_state"].clone(), a["prefix"].clone()]
+        torch.cuda.synchronize()
+        return [t.cpu() for t in out]
+
+    saved = dict(TUNE)
+    try:
+        TUNE.update(saved, rec_pdl=False, stamps=False)
+        _host.clear_scratch()
+        off = steps()
+        for over in (dict(rec_pdl=True, stamps=False), dict(rec_pdl=True, stamps=True)):
+            TUNE.update(saved, **over)
+            _host.clear_scratch()
+            on = steps()
+            for i, (x, y) in enumerate(zip(on, off)):
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with {over}"
+        sc = next(v for k, v in _host._SCRATCH.items() if k[0] == "k1")
+        for n in ("tl_mid", "tl_rec"):
+            t = sc[n].view(-1, 4).cpu()
+            assert (t[:, 0] > 0).all() and (t[:, 1] >= t[:, 0]).all(), n
+        assert (sc["tl_mid"].view(-1, 4)[:, 2].cpu() >= sc["tl_mid"].view(-1, 4)[:, 1].cpu()).all()
+        assert (sc["tl_rec"].view(-1, 4)[:, 3].cpu() >= sc["tl_rec"].view(-1, 4)[:, 2].cpu()).all()
+    finally:
+        TUNE.clear()
+        TUNE.update(saved)
+        _host.clear_scratch()

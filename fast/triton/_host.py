@@ -126,13 +126,23 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     dptr = delta if delta is not None else prefix
     NB = key.nblocks
     spl = _split(H // bk, T["k1_split"])
-    _launch(_k1.k1_mid_kernel, (3 * S * ar["CH"] + triton_cdiv(NP, bn) * spl,), sc["ctr"], prefix, prefix.stride(0),
+    xc = bool(T["k1_xc"])
+    grid_mid = (2 if xc else 3) * S * ar["CH"] + triton_cdiv(NP, bn) * spl
+    nvidia = dev.type == "cuda" and torch.version.hip is None and _jit.HAS_GDC
+    pre = bool(T["rec_pdl"]) and nvidia
+    stamps = {}
+    if T["stamps"] and nvidia:  # timeline build: %globaltimer per program (benchmarks/bench_fast.py --timeline)
+        for n, size in (("tl_mid", grid_mid * 4), ("tl_rec", R * NH * NV * 4)):
+            if n not in sc or sc[n].numel() != size:
+                sc[n] = torch.zeros(size, dtype=torch.int64, device=dev)
+        stamps = dict(mid=dict(tl_ptr=sc["tl_mid"], TL=True), rec=dict(tl_ptr=sc["tl_rec"], TL=True))
+    _launch(_k1.k1_mid_kernel, (grid_mid,), sc["ctr"], prefix, prefix.stride(0),
             dptr, dptr.stride(0), blocks, blocks.stride(0), blocks.stride(1), ares_nw, ares_qk, in_nw, sc["x"],
             sc["apart"], sc["mix"], sc["msq"], w_in, w_in.stride(0), sc["proj"], sc["part"], sc["ctr_n"], S, H,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
-            **_pdl(dev, T))
+            TRIG=pre, XC=xc, **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -147,7 +157,8 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             rsd.stride(2), rsd.stride(3), st_idx, st_idx.stride(0), st_idx.stride(1), num_acc, core_out,
             core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
-            GT=T["rec_gt"], num_warps=T["rec_warps"], enable_fp_fusion=False, **_pdl(dev, T))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
+            GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, num_warps=T["rec_warps"], enable_fp_fusion=False,
+            **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,
                     o=sc["obuf"].clone())

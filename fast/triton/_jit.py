@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
     HAS_GDC = True
-except ImportError:  # a Triton without grid dependency control: the host never sets PDL
+except ImportError:  # a Triton without grid dependency control: the host never sets PDL or timeline stamps
     HAS_GDC = False
 
 INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -34,6 +34,27 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_wait()
         if PDL == 1:
             gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger(ON: tl.constexpr):
+    """Let the next kernel in the stream (a programmatic dependent) start its programs now."""
+    if ON:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(ON: tl.constexpr):
+    """A programmatic dependent's wait for the previous kernel (its writes visible after it)."""
+    if ON:
+        gdc_wait()
+
+
+@triton.jit
+def stamp(tl_ptr, i, ON: tl.constexpr):
+    """Timeline builds (NVIDIA): tl_ptr[i] = %globaltimer (ns); tl_ptr may be None when off."""
+    if ON:
+        tl.store(tl_ptr + i, globaltimer())
 
 
 @triton.jit
@@ -249,12 +270,16 @@ def perm32(c):
 
 @triton.jit
 def gemv(x_ptr, sx, S, w_ptr, sw, n0, N, k_lo, nk, koff, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
-         XCG: tl.constexpr, SWAP: tl.constexpr = False):
+         XCG: tl.constexpr, SWAP: tl.constexpr = False, XN: tl.constexpr = False, xr=None, inw_ptr=None,
+         xout_ptr=None, xst=0):
     """acc[SP, BN] = x[:S, K] @ w[n0:n0+BN, K]^T in fp32 over K = [k_lo, k_lo + nk·BK)
     (rows >= S and >= N read as 0), visiting the BK blocks from block koff on. Each weight
     row streams once in 16-byte vector loads; XCG reads x past L1, for x written by other
     programs of the same launch. SWAP computes w @ x^T ([BN, SP], weights as the MMA's
-    M side: with BN >= 64 that is a Hopper warpgroup MMA) and transposes at the end."""
+    M side: with BN >= 64 that is a Hopper warpgroup MMA) and transposes at the end.
+    XN: x_ptr is the fp32 mixed row and each block is normalized here, x = bf16(mixed·xr·in_nw)
+    as phase C does it (xr [SP]: the rows' rsqrt factors); with xst the block of x is stored to
+    xout_ptr too (the x tap)."""
     rs = tl.arange(0, SP)
     rn = n0 + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -266,7 +291,11 @@ def gemv(x_ptr, sx, S, w_ptr, sw, n0, N, k_lo, nk, koff, BN: tl.constexpr, BK: t
         acc = tl.zeros((SP, BN), dtype=tl.float32)
     for it in range(0, nk):
         k0 = k_lo + ((it + koff) % nk) * BK
-        if XCG:
+        if XN:
+            m = tl.load(x_ptr + rs[:, None] * sx + (k0 + rk)[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+            x = bf16(m * xr[:, None] * tl.load(inw_ptr + k0 + rk).to(tl.float32)[None, :])
+            tl.store(xout_ptr + rs[:, None] * sx + (k0 + rk)[None, :], x, mask=rs[:, None] < S * xst)
+        elif XCG:
             x = tl.load(x_ptr + rs[:, None] * sx + (k0 + rk)[None, :], mask=xm, other=0.0, cache_modifier=".cg")
         else:
             x = tl.load(x_ptr + rs[:, None] * sx + (k0 + rk)[None, :], mask=xm, other=0.0)
@@ -375,21 +404,31 @@ def ares_norm(t, c, rh, hm, mix_ptr, msq_ptr, w, x_ptr, sx, H, CH, out_eps, CHP:
     """Phase C, chunk c of row t (after the row's phase B): x = bf16(mixed·rsqrt(mean(mixed²) +
     out_eps)·in_nw), the one rounding of the input norm. w: the chunk's in_nw (fp32), loaded
     before the wait."""
-    rc = tl.arange(0, CHP)
-    ms = tl.sum(tl.load(msq_ptr + t * CHP + rc, mask=rc < CH, other=0.0, cache_modifier=".cg"), axis=0)
-    r = rsqrt(ms / H + out_eps)
+    r = rsqrt(msq_row(msq_ptr, t, t >= 0, CH, CHP) / H + out_eps)
     mixed = tl.load(mix_ptr + t * H + rh, mask=hm, other=0.0, cache_modifier=".cg")
     tl.store(x_ptr + t * sx + rh, bf16(mixed * r * w), mask=hm)
+
+
+@triton.jit
+def msq_row(msq_ptr, t, tm, CH, CHP: tl.constexpr):
+    """Σ mixed² of row(s) t (a scalar or a vector; rows outside the mask tm read 0): the row's chunk
+    partials added one by one in chunk order, so phase C and the in_proj items of k1_xc (each
+    normalizing x itself) get the same fp32 bits."""
+    ms = tl.load(msq_ptr + t * CHP, mask=tm, other=0.0, cache_modifier=".cg")
+    for c in tl.static_range(1, CHP):
+        ms += tl.load(msq_ptr + t * CHP + c, mask=tm & (t * 0 + c < CH), other=0.0, cache_modifier=".cg")
+    return ms
 
 
 @triton.jit
 def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
                 inw_ptr, x_ptr, tapd_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps,
                 NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
-                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr):
+                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr, XC: tl.constexpr = False):
     """The AttnRes role of tickets [0, 3·S·CH): A, B, C phases (see above) of (row, chunk)
     ticket % (S·CH). ctr: [.., 1 x chunks ready, .., 3 spin overflow, .., 8+t phase A of row t,
-    8+S+t phase B of row t]. Phase C publishes its x chunk into ctr[1] (release)."""
+    8+S+t phase B of row t]. Phase C publishes its x chunk into ctr[1] (release). XC: no phase C
+    (tickets [0, 2·S·CH)); phase B publishes its mixed chunk into ctr[1], the consumers normalize."""
     NA = S * CH
     ph = ticket // NA
     j = ticket % NA
@@ -408,7 +447,7 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
         ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
                  NB, NBP, CHP, WRITE_IDX)
         tl.debug_barrier()
-        tl.atomic_add(ctr_ptr + 8 + S + t, 1, sem="release", scope="gpu")
+        tl.atomic_add(ctr_ptr + (1 if XC else 8 + S + t), 1, sem="release", scope="gpu")
     else:
         w = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32)
         wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3)

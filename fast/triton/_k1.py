@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import ares_phases, bf16, gemv, mma, pdl_enter, rsqrt, sigmoid, splitk, ticket_done, wait_ge
+from ._jit import (ares_phases, bf16, gemv, mma, msq_row, pdl_enter, pdl_trigger, pdl_wait, rsqrt, sigmoid, splitk,
+                   stamp, ticket_done, wait_ge)
 
 # ctr layout of a ticketed launch: [ticket, x chunks ready, programs done, spin overflow, router blocks done
 # (K2), -, -, -, phase-A count per row (S), phase-B count per row (S)]
@@ -38,7 +39,8 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                   spin, NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr,
                   ADD: tl.constexpr, WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
                   SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False, TRIG: tl.constexpr = False, XC: tl.constexpr = False, tl_ptr=None,
+                  TL: tl.constexpr = False):
     """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
     Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
@@ -48,26 +50,37 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
     programs in order). The last program resets the counters.
     """
     pdl_enter(PDL)
+    pdl_trigger(TRIG)
     ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-    NA3 = 3 * S * CH
+    stamp(tl_ptr, ticket * 4, TL)
+    NA3 = (2 if XC else 3) * S * CH
     if ticket < NA3:
         ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
                     inw_ptr, x_ptr, x_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps, NB, NBP, CHP, BHC,
-                    ADD, WRITE_IDX, False)
+                    ADD, WRITE_IDX, False, XC)
+        stamp(tl_ptr, ticket * 4 + 1, TL)
     else:
         u = ticket - NA3
         nb = u // SPLIT
         ks = u % SPLIT
         n0 = nb * BN
         wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3)
+        stamp(tl_ptr, ticket * 4 + 1, TL)
         nk = H // BK // SPLIT
-        acc = gemv(x_ptr, H, S, w_ptr, sw, n0, NP, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True, SWAP)
+        if XC:  # the rows' input-norm factors (phase C's), then x normalized per block in the stream
+            rs = tl.arange(0, SP)
+            xr = rsqrt(msq_row(msq_ptr, rs, rs < S, CH, CHP) / H + out_eps)
+            acc = gemv(mix_ptr, H, S, w_ptr, sw, n0, NP, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True,
+                       SWAP, True, xr, inw_ptr, x_ptr, tl.where(nb == 0, 1, 0))
+        else:
+            acc = gemv(x_ptr, H, S, w_ptr, sw, n0, NP, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True, SWAP)
         last, tot = splitk(acc, part_ptr, NP, ctrn_ptr, nb, ks, S, NP, n0, BN, SP, SPLIT)
         if last:
             rs = tl.arange(0, SP)
             rn = n0 + tl.arange(0, BN)
             tl.store(proj_ptr + rs[:, None] * NP + rn[None, :], bf16(tot),
                      mask=(rs[:, None] < S) & (rn[None, :] < NP))
+    stamp(tl_ptr, ticket * 4 + 2, TL)
     ticket_done(ctr_ptr, NA3 + tl.cdiv(NP, BN) * SPLIT, S, TP)
 
 
@@ -114,22 +127,91 @@ def _carry_store(val, c, csb, csc, csp, do_write, W: tl.constexpr, L: tl.constex
 
 
 @triton.jit
+def _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots, proj_ptr, spj, cw_ptr, scw, csb,
+                csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
+                L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
+                BV: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr, GT: tl.constexpr):
+    """The token chain with everything that does not depend on the state computed first, per token
+    (tuples): q/k conv outputs as [BV, HD] tiles in the state's layout (every row the same
+    channels; their norms reduce within a warp), v, decay, beta and the state slot. The chain is
+    then the state update alone, with no layout change of a vector per token."""
+    P: tl.constexpr = NH * HD
+    zr = tl.zeros((BV, 1), dtype=tl.int32)
+    cq2 = zr + cq[None, :]
+    ck2 = zr + ck[None, :]
+    zb = tl.zeros((BV, HD), dtype=tl.bfloat16)
+    qs = ()
+    ks = ()
+    vs = ()
+    bs = ()
+    ss = ()
+    for j in tl.static_range(L):
+        t = row0 + j
+        qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        vc = _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        beta = sigmoid(tl.load(proj_ptr + t * spj + 4 * P + RANK + h).to(tl.float32))
+        qs = qs + ((zb + qc.to(tl.bfloat16)[None, :]),)  # exact: the conv outputs are bf16 values
+        ks = ks + ((zb + kc.to(tl.bfloat16)[None, :]),)
+        vs = vs + (vc,)
+        bs = bs + (beta,)
+        ss = ss + (tl.load(st_ptr + r * str_ + j * stj),)
+        if TAPS:
+            tl.store(tconv_ptr + t * (3 * P) + cv, vc.to(tl.bfloat16))
+            if tl.program_id(2) == 0:
+                tl.store(tconv_ptr + t * (3 * P) + cq, qc.to(tl.bfloat16))
+                tl.store(tconv_ptr + t * (3 * P) + ck, kc.to(tl.bfloat16))
+                if GT:
+                    gate = tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1)
+                else:
+                    gate = tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0)
+                tl.store(tgate_ptr + t * P + h * HD + kk, gate)
+                tl.store(tbeta_ptr + t * NH + h, beta)
+    ob = tl.zeros((BV, LP), dtype=tl.float32)
+    for j in tl.static_range(L):
+        if GT:
+            decay = tl.exp(tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1))
+        else:
+            decay = tl.exp(tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0))
+        qc = qs[j].to(tl.float32)
+        kc = ks[j].to(tl.float32)
+        qn = qc * rsqrt(tl.sum(qc * qc, axis=1) + 1e-6)[:, None] * (HD ** -0.5)
+        kn = kc * rsqrt(tl.sum(kc * kc, axis=1) + 1e-6)[:, None]
+        st = st * decay[None, :]
+        pred = tl.sum(st * kn, axis=1)
+        u = (vs[j] - pred) * bs[j]
+        st = st + u[:, None] * kn
+        o = bf16(tl.sum(st * qn, axis=1))
+        ob = tl.where((rl == j)[None, :], tl.where(live, o, 0.0).to(tl.float32)[:, None], ob)
+        slot = ss[j]
+        tl.store(rbase + tl.maximum(slot, 0).to(tl.int64) * rss, st, mask=tl.where(live & (slot > 0), full, False))
+    tl.store(obuf_ptr + (row0 + rl)[None, :] * P + h * HD + vv[:, None], ob.to(tl.bfloat16),
+             mask=(vv >= 0)[:, None] & (rl < L)[None, :])
+
+
+@triton.jit
 def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sfb, alog_ptr, dtb_ptr, onw_ptr,
                   rs_ptr, rss, rsh, rsv, rsk, st_ptr, str_, stj, na_ptr, core_ptr, sco, obuf_ptr, ctr_ptr,
                   tconv_ptr, tgate_ptr, tbeta_ptr, lower_bound, onorm_eps,
                   L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
                   BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr,
-                  GT: tl.constexpr = False, PDL: tl.constexpr = False):
+                  GT: tl.constexpr = False, FLAT: tl.constexpr = False, PDL: tl.constexpr = False,
+                  PRE: tl.constexpr = False, tl_ptr=None, TL: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
     channels and the gated norm belong to the head, so the last of the NV programs of
     (r, h) to finish (an acq_rel counter) writes the q/k window carry and core_out.
+    PRE (a programmatic dependent of k1_mid): what k1_mid does not write (slots, the state
+    tile, w_fb, A_log, dt_bias) is loaded before the wait for k1_mid's in_proj rows.
     """
-    pdl_enter(PDL)
+    if not PRE:
+        pdl_enter(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
+    tli = ((r * NH + h) * NV + vb) * 4
+    stamp(tl_ptr, tli, TL)
     P: tl.constexpr = NH * HD
     # the request's slots in one load beside num_acc's (a dependent load costs a round trip)
     rl = tl.arange(0, LP)
@@ -145,25 +227,35 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     cv = 2 * P + h * HD + vv
     csb = cs_ptr + tl.maximum(sc, 0).to(tl.int64) * css  # a null conv slot reads slot 0
     row0 = r * L
-    carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)  # before the chain: no wait after it
-    ri = tl.arange(0, RANK)
-    # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
-    A = tl.exp(tl.load(alog_ptr + h))
-    if GT:  # [HD, LP]: the MMA's layout stays off the state (its [LP, HD] form made the state change layout per token)
-        fat = tl.load(proj_ptr + (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], mask=(rl < L)[None, :], other=0.0)
-        wfb = tl.load(wfb_ptr + (h * HD + kk)[:, None] * sfb + ri[None, :])  # [HD(k), RANK]
-        g1 = bf16(mma(wfb, fat, tl.zeros((HD, LP), dtype=tl.float32))).to(tl.float32)
-        gate_all = lower_bound * sigmoid(A * (g1 + tl.load(dtb_ptr + h * HD + kk)[:, None]))  # [HD, LP]
-    else:
-        fa = tl.load(proj_ptr + (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], mask=(rl < L)[:, None], other=0.0)
-        wfbt = tl.load(wfb_ptr + (h * HD + kk)[None, :] * sfb + ri[:, None])  # [RANK, HD(k)]
-        g1 = bf16(mma(fa, wfbt, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
-        gate_all = lower_bound * sigmoid(A * (g1 + tl.load(dtb_ptr + h * HD + kk)[None, :]))  # [LP, HD]
-    beta_all = sigmoid(tl.load(proj_ptr + (row0 + rl) * spj + 4 * P + RANK + h, mask=rl < L, other=0.0).to(tl.float32))
     rbase = rs_ptr + h * rsh + vv[:, None] * rsv + kk[None, :] * rsk
     full = (vv[:, None] >= 0) & (kk[None, :] >= 0)
     st = tl.load(rbase + tl.maximum(s0, 0).to(tl.int64) * rss, mask=tl.where(live, full, False), other=0.0)  # S[v, k]
-    for j in tl.static_range(L):
+    ri = tl.arange(0, RANK)
+    A = tl.exp(tl.load(alog_ptr + h))
+    if GT:
+        wfb = tl.load(wfb_ptr + (h * HD + kk)[:, None] * sfb + ri[None, :])  # [HD(k), RANK]
+        dtb = tl.load(dtb_ptr + h * HD + kk)[:, None]
+    else:
+        wfb = tl.load(wfb_ptr + (h * HD + kk)[None, :] * sfb + ri[:, None])  # [RANK, HD(k)]
+        dtb = tl.load(dtb_ptr + h * HD + kk)[None, :]
+    pdl_wait(PRE)
+    stamp(tl_ptr, tli + 1, TL)
+    carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)  # before the chain: no wait after it
+    # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
+    if GT:  # [HD, LP]: the MMA's layout stays off the state (its [LP, HD] form made the state change layout per token)
+        fat = tl.load(proj_ptr + (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], mask=(rl < L)[None, :], other=0.0)
+        g1 = bf16(mma(wfb, fat, tl.zeros((HD, LP), dtype=tl.float32))).to(tl.float32)
+        gate_all = lower_bound * sigmoid(A * (g1 + dtb))  # [HD, LP]
+    else:
+        fa = tl.load(proj_ptr + (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], mask=(rl < L)[:, None], other=0.0)
+        g1 = bf16(mma(fa, wfb, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
+        gate_all = lower_bound * sigmoid(A * (g1 + dtb))  # [LP, HD]
+    beta_all = sigmoid(tl.load(proj_ptr + (row0 + rl) * spj + 4 * P + RANK + h, mask=rl < L, other=0.0).to(tl.float32))
+    if FLAT:
+        _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots, proj_ptr, spj, cw_ptr, scw,
+                    csb, csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
+                    L, W, NH, HD, RANK, BV, LP, TAPS, GT)
+    for j in tl.static_range(0 if FLAT else L):
         t = row0 + j
         qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
         kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
@@ -193,6 +285,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                 tl.store(tconv_ptr + t * (3 * P) + ck, kc.to(tl.bfloat16))
                 tl.store(tgate_ptr + t * P + h * HD + kk, gate)
                 tl.store(tbeta_ptr + t * NH + h, beta)
+    stamp(tl_ptr, tli + 2, TL)
     _carry_store(carry_v, cv, csb, csc, csp, sc > 0, W, L, SEQP)
     if NV > 1:
         tl.debug_barrier()
@@ -215,3 +308,4 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
             tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))
         _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP)
         _carry_store(carry_k, ck, csb, csc, csp, sc > 0, W, L, SEQP)
+    stamp(tl_ptr, tli + 3, TL)

@@ -13,11 +13,16 @@ TUNE: dict = dict(
     k1_bn=32, k1_bk=128, k1_warps=2, k1_stages=6,
     k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
+    k1_xc=False,     # no AttnRes phase C, the in_proj items normalize x per block (same bits): H100 1x1 K1 63.2 vs 55.1 µs (v11)
     # K1 launch 2: conv, gates, recurrence, gated norm
     k1_nv=16,        # programs per (request, head) in the recurrence (value-row split), halved while
     rec_cap=400,     # requests·heads·k1_nv > rec_cap: 8x1 K1 52.8 vs 60.9 µs (the 1536 programs took 3 waves; v10)
     rec_warps=4,
     rec_gt=True,     # the gates' MMA as [HD, LP] (w_fb @ f_a^T) so its layout stays off the state
+    rec_flat=False,  # the token chain with q/k in the state's layout (same bits): H100 8x1 K1 73.5 vs 62.3 µs (v11)
+    rec_pdl=True,    # NVIDIA: the recurrence as k1_mid's programmatic dependent, its state/w_fb loads before the wait:
+                     # H100 K1 8x1 59.1 vs 62.3, 8x4 63.6 vs 65.2 µs, same bits (v11)
+    stamps=False,    # NVIDIA: timeline build of K1 (%globaltimer per program into scratch; bench_fast --timeline)
     # K2 launch 1: o_proj
     k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=3, k2_swap=False, o_split=1,
     # K2 launch 2: AttnRes phases + router / latent-down / shared gate-up GEMVs + top-k
@@ -59,8 +64,8 @@ def settings(rows: int) -> dict:
 # The knobs of each launch (call, index of the launch within the call): a launch's time
 # depends on its own knobs only, so the tuning pass picks each group's best independently.
 GROUPS: dict = {
-    ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap"),
-    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt"),
+    ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc"),
+    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_pdl"),
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
