@@ -205,16 +205,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat"])
+@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat", "rec_lean"])
 def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     """k1_xc (no AttnRes phase C: the in_proj items normalize x block by block, the rows' factor
-    summed in the same chunk order) and rec_flat (the token chain with q/k in the state's layout,
-    the state-independent work first) give the default launch's bits, every tap included, and
-    match the reference."""
+    summed in the same chunk order), rec_flat (the token chain with q/k in the state's layout,
+    the state-independent work first) and rec_lean (q/k norms over [1, HD] rows, o stored after
+    the chain), flipped from their defaults, give the default launch's bits, every tap included,
+    and match the reference."""
     tune.update(k1_nv=2, k1_hc=48)
     key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
     _, b, _, tb = _run(backend, key, kw)
-    tune.update(**{knob: True})
+    from fast.triton.tuning import TUNE
+
+    tune.update(**{knob: not TUNE[knob]})
     a, c, ta, tc = _run(backend, key, kw)
     _check(key, kw, a, c, ta, tc)
     for n in ("prefix", "blocks", "conv_state", "rstate", "core_out"):

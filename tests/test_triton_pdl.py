@@ -102,3 +102,31 @@ def test_rec_pdl_and_stamps_change_no_bit():
         TUNE.clear()
         TUNE.update(saved)
         _host.clear_scratch()
+
+
+def test_poll_ld_changes_no_bit():
+    """TUNE poll_ld (ticket waits polling with volatile loads, one acquire RMW after them) gives
+    the atomic polls' bits over several K1 + K2-world steps launched back to back (pdl in mode 1,
+    so waits overlap the previous launch), and no wait gives up or leaves a counter behind."""
+    from fast.triton import BACKEND, _host, _jit
+    from fast.triton.tuning import TUNE
+
+    if _jit.INTERP or not torch.cuda.is_available():
+        pytest.skip("the polls only spin on a GPU (the interpreter runs programs in order)")
+    cfg = rcfg.get_config("small")
+    k1 = make_k1(cfg, 3, R=2, L=4)
+    k2 = make_k2(cfg, 3, fmt="mxfp4", S=8)
+    saved = dict(TUNE)
+    try:
+        res = {}
+        for ld in (False, True):
+            TUNE.update(saved, poll_ld=ld, pdl=1 if _jit.HAS_GDC and torch.version.hip is None else 0)
+            _host.clear_scratch()
+            res[ld] = _steps(BACKEND, k1, k2)
+            assert BACKEND.health() == [], f"poll_ld={ld}"
+    finally:
+        TUNE.clear()
+        TUNE.update(saved)
+        _host.clear_scratch()
+    for i, (x, y) in enumerate(zip(res[True], res[False])):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with poll_ld"

@@ -142,7 +142,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
-            TRIG=pre, XC=xc, **stamps.get("mid", {}), **_pdl(dev, T))
+            TRIG=pre, XC=xc, LD=T["poll_ld"], **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -157,7 +157,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             rsd.stride(2), rsd.stride(3), st_idx, st_idx.stride(0), st_idx.stride(1), num_acc, core_out,
             core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
-            GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, num_warps=T["rec_warps"], enable_fp_fusion=False,
+            GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], num_warps=T["rec_warps"], enable_fp_fusion=False,
             **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,
@@ -299,7 +299,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"], BHC=ar["BHC"], ADD=3 if key.reset else 2, BN=bnm,
             BNL=BNL, BNS=BNS, BK=bkm, SP=SP, K=K, KP=_p2(K), KL=KL, CP=_p2(NG * KL), TP=_p2(S), FMT=FMT_CODE[fmt],
             BETA=key.situ_beta, LBETA=key.situ_linear_beta, SPLIT=spm, STAG=T["stag"], SWAP=T["mid_swap"], TAPS=tp,
-            num_warps=T["mid_warps"], num_stages=T["mid_stages"], **_pdl(dev, T))
+            LD=T["poll_ld"], num_warps=T["mid_warps"], num_stages=T["mid_stages"], **_pdl(dev, T))
     # L3: routed gemm1 + SiTU (+ v quantization), shared down -> fin
     f = FMT_CODE[fmt]
     row = fmt == "mxfp4" and S == 1  # one token row: FMA dot products (_k2._xrow) may replace the MMAs
@@ -332,7 +332,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_up_kernel, (S + triton_cdiv(UPN, bup) * spu,), sc["ctr_up"], ls32, ln_w, sc["ln"], w_up,
             w_up.stride(0), sc["fin"], sc["kpart"], sc["ctr_u"], S, LAT, H, UPN, rank * UPN, key.ln_eps, T["spin"],
             BN=bup, BK=bku, SP=SP, LATP=_p2(LAT), SPLIT=spu, STAG=T["stag"], SWAP=T["up_swap"], TP=_p2(S),
-            num_warps=T["up_warps"], num_stages=T["k2_stages"], **_pdl(dev, T))
+            LD=T["poll_ld"], num_warps=T["up_warps"], num_stages=T["k2_stages"], **_pdl(dev, T))
     # reduction 3; out = bf16(sum) (the copy is the rounding)
     out.copy_(comm.all_reduce(sc["fin"], rank))
     if tp:

@@ -40,7 +40,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                   ADD: tl.constexpr, WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
                   SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
                   PDL: tl.constexpr = False, TRIG: tl.constexpr = False, XC: tl.constexpr = False, tl_ptr=None,
-                  TL: tl.constexpr = False):
+                  TL: tl.constexpr = False, LD: tl.constexpr = False):
     """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
     Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
@@ -57,14 +57,14 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
     if ticket < NA3:
         ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
                     inw_ptr, x_ptr, x_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps, NB, NBP, CHP, BHC,
-                    ADD, WRITE_IDX, False, XC)
+                    ADD, WRITE_IDX, False, XC, LD)
         stamp(tl_ptr, ticket * 4 + 1, TL)
     else:
         u = ticket - NA3
         nb = u // SPLIT
         ks = u % SPLIT
         n0 = nb * BN
-        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3)
+        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3, LD)
         stamp(tl_ptr, ticket * 4 + 1, TL)
         nk = H // BK // SPLIT
         if XC:  # the rows' input-norm factors (phase C's), then x normalized per block in the stream
@@ -196,7 +196,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
                   BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr,
                   GT: tl.constexpr = False, FLAT: tl.constexpr = False, PDL: tl.constexpr = False,
-                  PRE: tl.constexpr = False, tl_ptr=None, TL: tl.constexpr = False):
+                  PRE: tl.constexpr = False, LEAN: tl.constexpr = False, tl_ptr=None, TL: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
@@ -255,6 +255,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots, proj_ptr, spj, cw_ptr, scw,
                     csb, csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
                     L, W, NH, HD, RANK, BV, LP, TAPS, GT)
+    ob = tl.zeros((BV, LP), dtype=tl.float32)
     for j in tl.static_range(0 if FLAT else L):
         t = row0 + j
         qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
@@ -267,15 +268,23 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         decay = tl.exp(gate)
         beta = tl.sum(tl.where(rl == j, beta_all, 0.0), axis=0)
         # l2-normalized q, k in fp32 (not rounded)
-        qn = qc * rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (HD ** -0.5)
-        kn = kc * rsqrt(tl.sum(kc * kc, axis=0) + 1e-6)
+        if LEAN:  # as [1, HD] rows of the state's layout: the norms reduce without a layout change
+            q2 = qc[None, :]
+            k2 = kc[None, :]
+            qn = q2 * (rsqrt(tl.sum(q2 * q2, axis=1) + 1e-6) * (HD ** -0.5))[:, None]
+            kn = k2 * rsqrt(tl.sum(k2 * k2, axis=1) + 1e-6)[:, None]
+        else:
+            qn = (qc * rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (HD ** -0.5))[None, :]
+            kn = (kc * rsqrt(tl.sum(kc * kc, axis=0) + 1e-6))[None, :]
         st = st * decay[None, :]
-        pred = tl.sum(st * kn[None, :], axis=1)
+        pred = tl.sum(st * kn, axis=1)
         u = (vc - pred) * beta
-        st = st + u[:, None] * kn[None, :]
-        o = bf16(tl.sum(st * qn[None, :], axis=1))
-        o = tl.where(live, o, 0.0)
-        tl.store(obuf_ptr + t * P + h * HD + vv, o)
+        st = st + u[:, None] * kn
+        o = tl.where(live, bf16(tl.sum(st * qn, axis=1)), 0.0)
+        if LEAN:  # o gathered per token column, stored once after the chain
+            ob = tl.where((rl == j)[None, :], o.to(tl.float32)[:, None], ob)
+        else:
+            tl.store(obuf_ptr + t * P + h * HD + vv, o)
         slot = tl.sum(tl.where(rl == j, slots, 0), axis=0)
         tl.store(rbase + tl.maximum(slot, 0).to(tl.int64) * rss, st, mask=tl.where(live & (slot > 0), full, False))
         if TAPS:
@@ -285,6 +294,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                 tl.store(tconv_ptr + t * (3 * P) + ck, kc.to(tl.bfloat16))
                 tl.store(tgate_ptr + t * P + h * HD + kk, gate)
                 tl.store(tbeta_ptr + t * NH + h, beta)
+    if LEAN and not FLAT:
+        tl.store(obuf_ptr + (row0 + rl)[None, :] * P + h * HD + vv[:, None], ob.to(tl.bfloat16),
+                 mask=(vv >= 0)[:, None] & (rl < L)[None, :])
     stamp(tl_ptr, tli + 2, TL)
     _carry_store(carry_v, cv, csb, csc, csp, sc > 0, W, L, SEQP)
     if NV > 1:
