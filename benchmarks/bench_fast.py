@@ -343,6 +343,15 @@ def diag_k2(backend, key2, k2):
 
 # ------------------------------------------------------------------------- timing
 
+def warm(fn):
+    """Run fn for WARM_S seconds (steady clocks before a timing, see WARM_S)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < WARM_S:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+
+
 def graph_time(fns, reps=30):
     """Median µs per fn call of a CUDA graph that runs every fn once, in turn."""
     for f in fns:
@@ -360,11 +369,7 @@ def graph_time(fns, reps=30):
             f()
     g.replay()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < WARM_S:  # steady clocks before timing (see WARM_S)
-        for _ in range(10):
-            g.replay()
-        torch.cuda.synchronize()
+    warm(g.replay)
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -393,10 +398,7 @@ def eager_time(fn, reps=5):
 def bandwidth(dev):
     """(GB/s of a 4 GiB bf16 torch.sum, GB/s of a 1 GiB + 1 GiB -> 1 GiB add)."""
     x = torch.empty(2 ** 31, dtype=torch.bfloat16, device=dev).normal_()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < WARM_S:  # the floor's clocks as steady as the kernels' (see WARM_S)
-        x.sum()
-        torch.cuda.synchronize()
+    warm(x.sum)  # the floor's clocks as steady as the kernels'
     t_sum = eager_time(lambda: x.sum(), reps=10)
     del x
     a = torch.empty(2 ** 29, dtype=torch.bfloat16, device=dev).normal_()

@@ -212,11 +212,11 @@ def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     the state-independent work first) and rec_lean (q/k norms over [1, HD] rows, o stored after
     the chain), flipped from their defaults, give the default launch's bits, every tap included,
     and match the reference."""
+    from fast.triton.tuning import TUNE
+
     tune.update(k1_nv=2, k1_hc=48)
     key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
     _, b, _, tb = _run(backend, key, kw)
-    from fast.triton.tuning import TUNE
-
     tune.update(**{knob: not TUNE[knob]})
     a, c, ta, tc = _run(backend, key, kw)
     _check(key, kw, a, c, ta, tc)
