@@ -196,7 +196,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
                   BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr,
                   GT: tl.constexpr = False, FLAT: tl.constexpr = False, PDL: tl.constexpr = False,
-                  PRE: tl.constexpr = False, LEAN: tl.constexpr = False, tl_ptr=None, TL: tl.constexpr = False):
+                  PRE: tl.constexpr = False, LEAN: tl.constexpr = False, HOIST: tl.constexpr = False, tl_ptr=None,
+                  TL: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
@@ -204,6 +205,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     (r, h) to finish (an acq_rel counter) writes the q/k window carry and core_out.
     PRE (a programmatic dependent of k1_mid): what k1_mid does not write (slots, the state
     tile, w_fb, A_log, dt_bias) is loaded before the wait for k1_mid's in_proj rows.
+    HOIST: the conv outputs of all L tokens before the chain, and the gated norm's loads of all
+    L tokens before its first store (a load after a store of the same kernel cannot move above
+    it, so otherwise each token pays an L2 round trip in turn).
     """
     if not PRE:
         pdl_enter(PDL)
@@ -256,11 +260,19 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                     csb, csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
                     L, W, NH, HD, RANK, BV, LP, TAPS, GT)
     ob = tl.zeros((BV, LP), dtype=tl.float32)
+    convs = ()
+    for j in tl.static_range(L if HOIST and not FLAT else 0):
+        convs = convs + ((_conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
+                          _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
+                          _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)),)
     for j in tl.static_range(0 if FLAT else L):
         t = row0 + j
-        qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-        kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-        vc = _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        if HOIST:
+            qc, kc, vc = convs[j]
+        else:
+            qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+            kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+            vc = _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
         if GT:
             gate = tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1)
         else:
@@ -312,10 +324,17 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
         carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
         onw = tl.load(onw_ptr + kk).to(tl.float32)
+        ogs = ()
+        for j in tl.static_range(L if HOIST else 0):
+            ogs = ogs + ((tl.load(obuf_ptr + (row0 + j) * P + h * HD + kk, cache_modifier=".cg").to(tl.float32),
+                          tl.load(proj_ptr + (row0 + j) * spj + 3 * P + h * HD + kk).to(tl.float32)),)
         for j in tl.static_range(L):
             t = row0 + j
-            oh = tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32)
-            g2 = tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32)
+            if HOIST:
+                oh, g2 = ogs[j]
+            else:
+                oh = tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32)
+                g2 = tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32)
             y = oh * rsqrt(tl.sum(oh * oh, axis=0) / HD + onorm_eps) * onw * sigmoid(g2)
             tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))
         _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP)
