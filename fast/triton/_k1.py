@@ -105,6 +105,22 @@ def _conv_y(j: tl.constexpr, W: tl.constexpr, c, cw_ptr, scw, csb, csc, csp, a, 
 
 
 @triton.jit
+def _conv_qkv(j: tl.constexpr, W: tl.constexpr, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0):
+    """(q, k, v) conv outputs of token j (_conv_y of the head's q/k channels and the program's v rows)."""
+    return (_conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
+            _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
+            _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0))
+
+
+@triton.jit
+def _norm_in(t, obuf_ptr, proj_ptr, spj, h, kk, P: tl.constexpr, HD: tl.constexpr):
+    """The gated norm's inputs of token row t (fp32): the head's o (written by the head's other
+    programs: read past L1) and its g2 in_proj row."""
+    return (tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32),
+            tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32))
+
+
+@triton.jit
 def _carry_load(c, csb, csc, csp, a, proj_ptr, spj, row0, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr):
     """[SEQP, channels]: seq[1:W-1+L] of channels c (bf16 as stored), the new conv window."""
     rp = tl.arange(0, SEQP)
@@ -147,9 +163,7 @@ def _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots
     ss = ()
     for j in tl.static_range(L):
         t = row0 + j
-        qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-        kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-        vc = _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+        qc, kc, vc = _conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
         beta = sigmoid(tl.load(proj_ptr + t * spj + 4 * P + RANK + h).to(tl.float32))
         qs = qs + ((zb + qc.to(tl.bfloat16)[None, :]),)  # exact: the conv outputs are bf16 values
         ks = ks + ((zb + kc.to(tl.bfloat16)[None, :]),)
@@ -262,17 +276,13 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     ob = tl.zeros((BV, LP), dtype=tl.float32)
     convs = ()
     for j in tl.static_range(L if HOIST and not FLAT else 0):
-        convs = convs + ((_conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
-                          _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
-                          _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)),)
+        convs = convs + (_conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),)
     for j in tl.static_range(0 if FLAT else L):
         t = row0 + j
         if HOIST:
             qc, kc, vc = convs[j]
         else:
-            qc = _conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-            kc = _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-            vc = _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+            qc, kc, vc = _conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
         if GT:
             gate = tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1)
         else:
@@ -326,15 +336,13 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         onw = tl.load(onw_ptr + kk).to(tl.float32)
         ogs = ()
         for j in tl.static_range(L if HOIST else 0):
-            ogs = ogs + ((tl.load(obuf_ptr + (row0 + j) * P + h * HD + kk, cache_modifier=".cg").to(tl.float32),
-                          tl.load(proj_ptr + (row0 + j) * spj + 3 * P + h * HD + kk).to(tl.float32)),)
+            ogs = ogs + (_norm_in(row0 + j, obuf_ptr, proj_ptr, spj, h, kk, P, HD),)
         for j in tl.static_range(L):
             t = row0 + j
             if HOIST:
                 oh, g2 = ogs[j]
             else:
-                oh = tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32)
-                g2 = tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32)
+                oh, g2 = _norm_in(t, obuf_ptr, proj_ptr, spj, h, kk, P, HD)
             y = oh * rsqrt(tl.sum(oh * oh, axis=0) / HD + onorm_eps) * onw * sigmoid(g2)
             tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))
         _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP)
