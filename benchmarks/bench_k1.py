@@ -84,6 +84,24 @@ def timeline(backend, sets, key1, CH, phases):
     return out
 
 
+def regs() -> list[str]:
+    """Registers, spills and warps of every compiled k1_rec build (its shape and layout constexprs):
+    at 4 warps a program of more than 168 registers leaves fewer than 3 programs per SM."""
+    from fast.triton import _k1
+
+    fn = _k1.k1_rec_kernel
+    names = ("L", "NV", "BV", "GT", "FLAT", "LEAN", "HOIST", "PRE", "TL")
+    out = []
+    for caches in getattr(fn, "device_caches", {}).values():
+        for k in caches[0].values():
+            k._init_handles()
+            cx = getattr(k.src, "constants", {}) or {}
+            by = {fn.arg_names[i[0]]: v for i, v in cx.items() if isinstance(i, tuple) and len(i) == 1}
+            out.append(f"k1_rec {' '.join(f'{n}={by[n]}' for n in names if n in by)}: regs {k.n_regs}, "
+                       f"spills {k.n_spills}, warps {k.metadata.num_warps}")
+    return sorted(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="1x1,4x1,4x4,8x1,8x4")
@@ -160,6 +178,11 @@ def main(argv=None) -> int:
                          + (" BAD" if c["bad"] else ""))
         print(f"{row['variant'] or 'defaults'} | " + " | ".join(cells))
     print(f"floor basis: torch.sum {bw:.0f} GB/s")
+    try:
+        res["regs"] = regs()
+    except Exception as e:  # a report of the Triton build, not a result: its absence must not sink the timings
+        res["regs"] = [f"k1_rec registers unavailable: {type(e).__name__}: {e}"]
+    print("\n".join(res["regs"]))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     return 1 if any(c["bad"] for r in table for c in r["cases"].values()) else 0

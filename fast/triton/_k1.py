@@ -113,11 +113,31 @@ def _conv_qkv(j: tl.constexpr, W: tl.constexpr, cq, ck, cv, cw_ptr, scw, csb, cs
 
 
 @triton.jit
-def _norm_in(t, obuf_ptr, proj_ptr, spj, h, kk, P: tl.constexpr, HD: tl.constexpr):
-    """The gated norm's inputs of token row t (fp32): the head's o (written by the head's other
-    programs: read past L1) and its g2 in_proj row."""
-    return (tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32),
-            tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32))
+def _gate_of(j: tl.constexpr, gate_all, rl, GT: tl.constexpr):
+    """Token j's gate ([HD]) out of gate_all ([HD, LP] if GT, else [LP, HD])."""
+    if GT:
+        return tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1)
+    else:
+        return tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0)
+
+
+@triton.jit
+def _l2n(qc, kc, HD: tl.constexpr):
+    """q and k ([HD], fp32) l2-normalized, q also scaled by HD^-0.5; in fp32, not rounded."""
+    return (qc * rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (HD ** -0.5),
+            kc * rsqrt(tl.sum(kc * kc, axis=0) + 1e-6))
+
+
+@triton.jit
+def _norm_o(t, obuf_ptr, h, kk, P: tl.constexpr, HD: tl.constexpr):
+    """The gated norm's o of token row t (fp32; written by the head's other programs: read past L1)."""
+    return tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _norm_g(t, proj_ptr, spj, h, kk, P: tl.constexpr, HD: tl.constexpr):
+    """The gated norm's g2 in_proj row of token row t (fp32)."""
+    return tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32)
 
 
 @triton.jit
@@ -175,18 +195,11 @@ def _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots
             if tl.program_id(2) == 0:
                 tl.store(tconv_ptr + t * (3 * P) + cq, qc.to(tl.bfloat16))
                 tl.store(tconv_ptr + t * (3 * P) + ck, kc.to(tl.bfloat16))
-                if GT:
-                    gate = tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1)
-                else:
-                    gate = tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0)
-                tl.store(tgate_ptr + t * P + h * HD + kk, gate)
+                tl.store(tgate_ptr + t * P + h * HD + kk, _gate_of(j, gate_all, rl, GT))
                 tl.store(tbeta_ptr + t * NH + h, beta)
     ob = tl.zeros((BV, LP), dtype=tl.float32)
     for j in tl.static_range(L):
-        if GT:
-            decay = tl.exp(tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1))
-        else:
-            decay = tl.exp(tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0))
+        decay = tl.exp(_gate_of(j, gate_all, rl, GT))
         qc = qs[j].to(tl.float32)
         kc = ks[j].to(tl.float32)
         qn = qc * rsqrt(tl.sum(qc * qc, axis=1) + 1e-6)[:, None] * (HD ** -0.5)
@@ -219,9 +232,10 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     (r, h) to finish (an acq_rel counter) writes the q/k window carry and core_out.
     PRE (a programmatic dependent of k1_mid): what k1_mid does not write (slots, the state
     tile, w_fb, A_log, dt_bias) is loaded before the wait for k1_mid's in_proj rows.
-    HOIST: the conv outputs of all L tokens before the chain, and the gated norm's loads of all
-    L tokens before its first store (a load after a store of the same kernel cannot move above
-    it, so otherwise each token pays an L2 round trip in turn).
+    HOIST: the conv outputs of all L tokens before the chain, the gated norm's g2 rows and the
+    q/k windows before the chain's first store, its o rows before its own first store (a load
+    after a store of the same kernel cannot move above it, so otherwise each token pays an L2
+    round trip in turn).
     """
     if not PRE:
         pdl_enter(PDL)
@@ -269,6 +283,12 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         g1 = bf16(mma(fa, wfb, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
         gate_all = lower_bound * sigmoid(A * (g1 + dtb))  # [LP, HD]
     beta_all = sigmoid(tl.load(proj_ptr + (row0 + rl) * spj + 4 * P + RANK + h, mask=rl < L, other=0.0).to(tl.float32))
+    if HOIST:  # what the head's last program needs after the counter, loaded before the chain's stores
+        carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
+        carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
+        g2s = ()
+        for j in tl.static_range(L):
+            g2s = g2s + (_norm_g(row0 + j, proj_ptr, spj, h, kk, P, HD),)
     if FLAT:
         _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots, proj_ptr, spj, cw_ptr, scw,
                     csb, csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
@@ -283,10 +303,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
             qc, kc, vc = convs[j]
         else:
             qc, kc, vc = _conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-        if GT:
-            gate = tl.sum(tl.where((rl == j)[None, :], gate_all, 0.0), axis=1)
-        else:
-            gate = tl.sum(tl.where((rl == j)[:, None], gate_all, 0.0), axis=0)
+        gate = _gate_of(j, gate_all, rl, GT)
         decay = tl.exp(gate)
         beta = tl.sum(tl.where(rl == j, beta_all, 0.0), axis=0)
         # l2-normalized q, k in fp32 (not rounded)
@@ -296,8 +313,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
             qn = q2 * (rsqrt(tl.sum(q2 * q2, axis=1) + 1e-6) * (HD ** -0.5))[:, None]
             kn = k2 * rsqrt(tl.sum(k2 * k2, axis=1) + 1e-6)[:, None]
         else:
-            qn = (qc * rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (HD ** -0.5))[None, :]
-            kn = (kc * rsqrt(tl.sum(kc * kc, axis=0) + 1e-6))[None, :]
+            qn, kn = _l2n(qc, kc, HD)
+            qn = qn[None, :]
+            kn = kn[None, :]
         st = st * decay[None, :]
         pred = tl.sum(st * kn, axis=1)
         u = (vc - pred) * beta
@@ -330,19 +348,21 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         if NV > 1:
             tl.atomic_xchg(ctr_ptr + r * NH + h, 0, sem="relaxed", scope="gpu")
             tl.debug_barrier()
-        # the q/k windows' loads in flight with the gated norm's; stored after it
-        carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
-        carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
+        if not HOIST:  # the q/k windows' loads in flight with the gated norm's; stored after it
+            carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
+            carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
         onw = tl.load(onw_ptr + kk).to(tl.float32)
-        ogs = ()
+        ohs = ()
         for j in tl.static_range(L if HOIST else 0):
-            ogs = ogs + (_norm_in(row0 + j, obuf_ptr, proj_ptr, spj, h, kk, P, HD),)
+            ohs = ohs + (_norm_o(row0 + j, obuf_ptr, h, kk, P, HD),)
         for j in tl.static_range(L):
             t = row0 + j
             if HOIST:
-                oh, g2 = ogs[j]
+                oh = ohs[j]
+                g2 = g2s[j]
             else:
-                oh, g2 = _norm_in(t, obuf_ptr, proj_ptr, spj, h, kk, P, HD)
+                oh = _norm_o(t, obuf_ptr, h, kk, P, HD)
+                g2 = _norm_g(t, proj_ptr, spj, h, kk, P, HD)
             y = oh * rsqrt(tl.sum(oh * oh, axis=0) / HD + onorm_eps) * onw * sigmoid(g2)
             tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))
         _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP)
