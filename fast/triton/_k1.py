@@ -122,13 +122,6 @@ def _gate_of(j: tl.constexpr, gate_all, rl, GT: tl.constexpr):
 
 
 @triton.jit
-def _l2n(qc, kc, HD: tl.constexpr):
-    """q and k ([HD], fp32) l2-normalized, q also scaled by HD^-0.5; in fp32, not rounded."""
-    return (qc * rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (HD ** -0.5),
-            kc * rsqrt(tl.sum(kc * kc, axis=0) + 1e-6))
-
-
-@triton.jit
 def _norm_o(t, obuf_ptr, h, kk, P: tl.constexpr, HD: tl.constexpr):
     """The gated norm's o of token row t (fp32; written by the head's other programs: read past L1)."""
     return tl.load(obuf_ptr + t * P + h * HD + kk, cache_modifier=".cg").to(tl.float32)
@@ -313,9 +306,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
             qn = q2 * (rsqrt(tl.sum(q2 * q2, axis=1) + 1e-6) * (HD ** -0.5))[:, None]
             kn = k2 * rsqrt(tl.sum(k2 * k2, axis=1) + 1e-6)[:, None]
         else:
-            qn, kn = _l2n(qc, kc, HD)
-            qn = qn[None, :]
-            kn = kn[None, :]
+            qn = (qc * rsqrt(tl.sum(qc * qc, axis=0) + 1e-6) * (HD ** -0.5))[None, :]
+            kn = (kc * rsqrt(tl.sum(kc * kc, axis=0) + 1e-6))[None, :]
         st = st * decay[None, :]
         pred = tl.sum(st * kn, axis=1)
         u = (vc - pred) * beta

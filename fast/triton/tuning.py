@@ -26,7 +26,7 @@ TUNE: dict = dict(
                      # H200 K1 µs 1x1..8x4 44.0/45.9/51.8/48.0/52.6 on vs 44.7/46.4/50.9/48.6/53.7 off (v13)
     rec_hoist=True,  # at L > 1: the conv outputs of all tokens before the chain, the gated norm's g2 rows and the q/k
                      # windows before its stores (same bits): H100 K1 4x4 57.1 vs 60.0, 8x4 59.6 vs 62.8 µs (v14); at L = 1
-                     # off (nothing to hoist; 8x1's k1_nv=4 build would take 178 registers, 2 programs per SM)
+                     # off (no chain to hoist out of; 8x1's k1_nv=4 build would take 178 registers, 2 programs per SM)
     rec_pdl=True,    # NVIDIA: the recurrence as k1_mid's programmatic dependent, its state/w_fb loads before the wait:
                      # H100 K1 8x1 59.1 vs 62.3, 8x4 63.6 vs 65.2 µs, same bits (v11)
     stamps=False,    # NVIDIA: timeline build of K1 (%globaltimer per program into scratch; bench_fast --timeline)
