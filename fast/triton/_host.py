@@ -158,7 +158,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
             GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], HOIST=T["rec_hoist"] and L > 1,
-            num_warps=T["rec_warps"], enable_fp_fusion=False,
+            CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False,
             **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,

@@ -134,25 +134,39 @@ def _norm_g(t, proj_ptr, spj, h, kk, P: tl.constexpr, HD: tl.constexpr):
 
 
 @triton.jit
-def _carry_load(c, csb, csc, csp, a, proj_ptr, spj, row0, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr):
-    """[SEQP, channels]: seq[1:W-1+L] of channels c (bf16 as stored), the new conv window."""
+def _carry_load(c, csb, csc, csp, a, proj_ptr, spj, row0, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr,
+                CT: tl.constexpr):
+    """seq[1:W-1+L] of channels c (bf16 as stored), the new conv window: [channels, SEQP] if CT, else
+    [SEQP, channels]."""
     rp = tl.arange(0, SEQP)
     src = rp + 1
     keep = rp < W - 2 + L
     inwin = src < W - 1
-    v1 = tl.load(csb + c[None, :] * csc + (a - 1 + src)[:, None] * csp, mask=(inwin & keep)[:, None], other=0.0)
-    v2 = tl.load(proj_ptr + (row0 + src - (W - 1))[:, None] * spj + c[None, :], mask=(keep & (src >= W - 1))[:, None],
-                 other=0.0)
-    return tl.where(inwin[:, None], v1, v2)
+    if CT:
+        v1 = tl.load(csb + c[:, None] * csc + (a - 1 + src)[None, :] * csp, mask=(inwin & keep)[None, :], other=0.0)
+        v2 = tl.load(proj_ptr + (row0 + src - (W - 1))[None, :] * spj + c[:, None],
+                     mask=(keep & (src >= W - 1))[None, :], other=0.0)
+        return tl.where(inwin[None, :], v1, v2)
+    else:
+        v1 = tl.load(csb + c[None, :] * csc + (a - 1 + src)[:, None] * csp, mask=(inwin & keep)[:, None], other=0.0)
+        v2 = tl.load(proj_ptr + (row0 + src - (W - 1))[:, None] * spj + c[None, :],
+                     mask=(keep & (src >= W - 1))[:, None], other=0.0)
+        return tl.where(inwin[:, None], v1, v2)
 
 
 @triton.jit
-def _carry_store(val, c, csb, csc, csp, do_write, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr):
+def _carry_store(val, c, csb, csc, csp, do_write, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr,
+                 CT: tl.constexpr):
     """conv_state[slot, c, 0:W-2+L] = val (_carry_load, exact copies), after a barrier: every read of the
     window by this program's threads precedes the writes."""
     rp = tl.arange(0, SEQP)
     tl.debug_barrier()
-    tl.store(csb + c[None, :] * csc + rp[:, None] * csp, val, mask=tl.where(do_write, (rp < W - 2 + L)[:, None], False))
+    if CT:
+        tl.store(csb + c[:, None] * csc + rp[None, :] * csp, val,
+                 mask=tl.where(do_write, (rp < W - 2 + L)[None, :], False))
+    else:
+        tl.store(csb + c[None, :] * csc + rp[:, None] * csp, val,
+                 mask=tl.where(do_write, (rp < W - 2 + L)[:, None], False))
 
 
 @triton.jit
@@ -216,7 +230,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
                   BV: tl.constexpr, NV: tl.constexpr, SEQP: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr,
                   GT: tl.constexpr = False, FLAT: tl.constexpr = False, PDL: tl.constexpr = False,
-                  PRE: tl.constexpr = False, LEAN: tl.constexpr = False, HOIST: tl.constexpr = False, tl_ptr=None,
+                  PRE: tl.constexpr = False, LEAN: tl.constexpr = False, HOIST: tl.constexpr = False,
+                  CT: tl.constexpr = False, tl_ptr=None,
                   TL: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
@@ -229,6 +244,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     q/k windows before the chain's first store, its o rows before its own first store (a load
     after a store of the same kernel cannot move above it, so otherwise each token pays an L2
     round trip in turn).
+    CT: the conv windows as [channels, positions] tiles. As [positions, channels] at SEQP = BV
+    they have the state tile's shape, Triton gives the state their 16-byte bf16 layout, and every
+    token's state store then converts the tile through shared memory (sm_90, L = 4, BV = 8).
     """
     if not PRE:
         pdl_enter(PDL)
@@ -265,7 +283,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         dtb = tl.load(dtb_ptr + h * HD + kk)[None, :]
     pdl_wait(PRE)
     stamp(tl_ptr, tli + 1, TL)
-    carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)  # before the chain: no wait after it
+    carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)  # before the chain: no wait after it
     # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
     if GT:  # [HD, LP]: the MMA's layout stays off the state (its [LP, HD] form made the state change layout per token)
         fat = tl.load(proj_ptr + (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], mask=(rl < L)[None, :], other=0.0)
@@ -277,8 +295,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         gate_all = lower_bound * sigmoid(A * (g1 + dtb))  # [LP, HD]
     beta_all = sigmoid(tl.load(proj_ptr + (row0 + rl) * spj + 4 * P + RANK + h, mask=rl < L, other=0.0).to(tl.float32))
     if HOIST:  # what the head's last program needs after the counter, loaded before the chain's stores
-        carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
-        carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
+        carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
+        carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
         g2s = ()
         for j in tl.static_range(L):
             g2s = g2s + (_norm_g(row0 + j, proj_ptr, spj, h, kk, P, HD),)
@@ -330,7 +348,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         tl.store(obuf_ptr + (row0 + rl)[None, :] * P + h * HD + vv[:, None], ob.to(tl.bfloat16),
                  mask=(vv >= 0)[:, None] & (rl < L)[None, :])
     stamp(tl_ptr, tli + 2, TL)
-    _carry_store(carry_v, cv, csb, csc, csp, sc > 0, W, L, SEQP)
+    _carry_store(carry_v, cv, csb, csc, csp, sc > 0, W, L, SEQP, CT)
     if NV > 1:
         tl.debug_barrier()
         last = tl.atomic_add(ctr_ptr + r * NH + h, 1, sem="acq_rel", scope="gpu") == NV - 1
@@ -341,8 +359,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
             tl.atomic_xchg(ctr_ptr + r * NH + h, 0, sem="relaxed", scope="gpu")
             tl.debug_barrier()
         if not HOIST:  # the q/k windows' loads in flight with the gated norm's; stored after it
-            carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
-            carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP)
+            carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
+            carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
         onw = tl.load(onw_ptr + kk).to(tl.float32)
         ohs = ()
         for j in tl.static_range(L if HOIST else 0):
@@ -357,6 +375,6 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                 g2 = _norm_g(t, proj_ptr, spj, h, kk, P, HD)
             y = oh * rsqrt(tl.sum(oh * oh, axis=0) / HD + onorm_eps) * onw * sigmoid(g2)
             tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))
-        _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP)
-        _carry_store(carry_k, ck, csb, csc, csp, sc > 0, W, L, SEQP)
+        _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP, CT)
+        _carry_store(carry_k, ck, csb, csc, csp, sc > 0, W, L, SEQP, CT)
     stamp(tl_ptr, tli + 3, TL)
