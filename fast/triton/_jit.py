@@ -353,7 +353,13 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
 
     ADD 0: prefix as is; 1: prefix = bf16(prefix + delta) (K1); 2: prefix = bf16(prefix +
     bf16(d32)) (K2); 3: prefix = bf16(d32) (K2 block-write reset). WRITE_IDX >= 0 copies the
-    new prefix into blocks[t, WRITE_IDX] (and that bank row reads as the new prefix)."""
+    new prefix into blocks[t, WRITE_IDX] (and that bank row reads as the new prefix).
+    The bank rows and weights are loaded first: a load after the prefix stores could not move above
+    them and would wait a second DRAM round trip. (The bank rows read never overlap prefix: phase B
+    loads them before its wait, too.)"""
+    vb = _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
+    cw = tl.load(nw_ptr + rh, mask=hm, other=0.0).to(tl.float32) * tl.load(qk_ptr + rh, mask=hm, other=0.0).to(
+        tl.float32)
     p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
     if ADD == 1:
         d = tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0)
@@ -374,9 +380,7 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
     if WRITE_IDX >= 0:
         tl.store(blocks_ptr + t * sbt + WRITE_IDX * sbb + rh, pre, mask=hm)
     rs = tl.arange(0, NBP)
-    v = _sources(_bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX), rs, pre.to(tl.float32), NB, WRITE_IDX)
-    cw = tl.load(nw_ptr + rh, mask=hm, other=0.0).to(tl.float32) * tl.load(qk_ptr + rh, mask=hm, other=0.0).to(
-        tl.float32)
+    v = _sources(vb, rs, pre.to(tl.float32), NB, WRITE_IDX)
     base = apart_ptr + (t * CH + c) * (2 * NBP)
     tl.store(base + rs, tl.sum(v * cw[None, :], axis=1))
     tl.store(base + NBP + rs, tl.sum(v * v, axis=1))
