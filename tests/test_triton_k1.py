@@ -205,15 +205,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat", "rec_lean", "rec_hoist", "rec_ct"])
+@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_cnt"])
 def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     """k1_xc (no AttnRes phase C: the in_proj items normalize x block by block, the rows' factor
     summed in the same chunk order), rec_flat (the token chain with q/k in the state's layout,
     the state-independent work first), rec_lean (q/k norms over [1, HD] rows, o stored after
     the chain) and rec_hoist (every token's conv outputs before the chain, the gated norm's g2
-    rows and the q/k windows before its stores) and rec_ct (the conv windows as [channels,
-    positions] tiles), flipped from their defaults, give the default
-    launch's bits, every tap included, and match the reference."""
+    rows and the q/k windows before its stores), rec_ct (the conv windows as [channels,
+    positions] tiles) and rec_cnt (the recurrence's wait a poll of stored in_proj row blocks),
+    flipped from their defaults, give the default launch's bits, every tap included, match the
+    reference and leave the backend healthy."""
     from fast.triton.tuning import TUNE
 
     tune.update(k1_nv=2, k1_hc=48)
@@ -226,3 +227,4 @@ def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
         assert torch.equal(_bits(c[n]), _bits(b[n])), n
     for n in tb:
         assert torch.equal(_bits(tc[n]), _bits(tb[n])), f"tap {n}"
+    assert backend.health() == []  # no handshake counter left behind, no wait gave up

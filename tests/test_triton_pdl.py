@@ -62,8 +62,9 @@ def test_pdl_changes_no_bit(fmt, mode):
 
 def test_rec_pdl_and_stamps_change_no_bit():
     """TUNE rec_pdl (the recurrence as k1_mid's programmatic dependent, its state and w_fb loaded
-    before the wait) and the timeline build (stamps) give the plain launch's bits over several K1
-    steps; every stamped program has start <= after-wait <= end."""
+    before the wait), with rec_cnt (that wait a poll of stored in_proj row blocks), and the
+    timeline build (stamps) give the plain launch's bits over several K1 steps; every stamped
+    program has start <= after-wait <= end."""
     from fast.triton import BACKEND, _host, _jit
     from fast.triton.tuning import TUNE
 
@@ -86,7 +87,8 @@ def test_rec_pdl_and_stamps_change_no_bit():
         TUNE.update(saved, rec_pdl=False, stamps=False)
         _host.clear_scratch()
         off = steps()
-        for over in (dict(rec_pdl=True, stamps=False), dict(rec_pdl=True, stamps=True)):
+        for over in (dict(rec_pdl=True, stamps=False), dict(rec_pdl=True, rec_cnt=True, stamps=False),
+                     dict(rec_pdl=True, stamps=True)):
             TUNE.update(saved, **over)
             _host.clear_scratch()
             on = steps()

@@ -32,6 +32,8 @@ TUNE: dict = dict(
                      # H100 K1 4x4 56.9 vs 57.5, 8x4 59.6 vs 60.2 µs (v15)
     rec_pdl=True,    # NVIDIA: the recurrence as k1_mid's programmatic dependent, its state/w_fb loads before the wait:
                      # H100 K1 8x1 59.1 vs 62.3, 8x4 63.6 vs 65.2 µs, same bits (v11)
+    rec_cnt=False,   # the recurrence waits on k1_mid's count of stored in_proj row blocks, not on the grid
+                     # dependency's completion (_k1.k1_rec_kernel CNT; same bits)
     stamps=False,    # NVIDIA: timeline build of K1 (%globaltimer per program into scratch; bench_fast --timeline)
     # K2 launch 1: o_proj
     k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=3, k2_swap=False, o_split=1,
@@ -75,7 +77,8 @@ def settings(rows: int) -> dict:
 # depends on its own knobs only, so the tuning pass picks each group's best independently.
 GROUPS: dict = {
     ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc"),
-    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_pdl"),
+    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_pdl",
+                "rec_cnt"),
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
