@@ -87,8 +87,8 @@ def test_rec_pdl_and_stamps_change_no_bit():
         TUNE.update(saved, rec_pdl=False, stamps=False)
         _host.clear_scratch()
         off = steps()
-        for over in (dict(rec_pdl=True, stamps=False), dict(rec_pdl=True, rec_cnt=True, stamps=False),
-                     dict(rec_pdl=True, stamps=True)):
+        for over in (dict(rec_pdl=True, rec_cnt=0, stamps=False), dict(rec_pdl=True, rec_cnt=1, stamps=False),
+                     dict(rec_pdl=True, rec_cnt=2, stamps=False), dict(rec_pdl=True, stamps=True)):
             TUNE.update(saved, **over)
             _host.clear_scratch()
             on = steps()

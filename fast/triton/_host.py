@@ -130,7 +130,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     grid_mid = (2 if xc else 3) * S * ar["CH"] + triton_cdiv(NP, bn) * spl
     nvidia = dev.type == "cuda" and torch.version.hip is None and _jit.HAS_GDC
     pre = bool(T["rec_pdl"]) and nvidia
-    cnt = bool(T["rec_cnt"])
+    cnt = int(T["rec_cnt"])
     stamps = {}
     if T["stamps"] and nvidia:  # timeline build: %globaltimer per program (benchmarks/bench_fast.py --timeline)
         for n, size in (("tl_mid", grid_mid * 4), ("tl_rec", R * NH * NV * 4)):
@@ -143,7 +143,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
-            TRIG=pre, XC=xc, LD=T["poll_ld"], CNT=cnt, **stamps.get("mid", {}), **_pdl(dev, T))
+            TRIG=pre, XC=xc, LD=T["poll_ld"], CNT=cnt > 0, **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -160,7 +160,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
             GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], HOIST=T["rec_hoist"] and L > 1,
             CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, ctrm_ptr=sc["ctr"],
-            nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt, LD=T["poll_ld"],
+            nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"],
             **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,

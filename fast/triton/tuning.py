@@ -32,9 +32,10 @@ TUNE: dict = dict(
                      # H100 K1 4x4 56.9 vs 57.5, 8x4 59.6 vs 60.2 µs (v15)
     rec_pdl=True,    # NVIDIA: the recurrence as k1_mid's programmatic dependent, its state/w_fb loads before the wait:
                      # H100 K1 8x1 59.1 vs 62.3, 8x4 63.6 vs 65.2 µs, same bits (v11)
-    rec_cnt=True,    # the recurrence waits on k1_mid's count of stored in_proj row blocks, not on the grid
-                     # dependency's completion (_k1.k1_rec_kernel CNT; same bits): H100 K1 1x1/4x1/4x4/8x1
-                     # 53.0/55.2/56.4/58.2 vs 54.0/56.2/57.2/58.6 µs (v17, bench_k1)
+    rec_cnt=0,       # 1: the recurrence waits on k1_mid's count of stored in_proj row blocks, not on the grid
+                     # dependency's completion (_k1.k1_rec_kernel CNT; same bits); 2: that count polled with
+                     # volatile loads (_jit.wait_ge LD). 1 vs 0, H100 bench_fast K1 µs 1x1..8x4: 53.0/54.4/56.4/
+                     # 57.8/67.0 vs 53.1/55.7/56.7/57.7/58.7 (v17): off, 8x4 +8.3
     stamps=False,    # NVIDIA: timeline build of K1 (%globaltimer per program into scratch; bench_fast --timeline)
     # K2 launch 1: o_proj
     k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=3, k2_swap=False, o_split=1,
