@@ -119,6 +119,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
         obuf=torch.empty(S, NH, HD, dtype=torch.bfloat16, device=dev),
         ctr=torch.zeros(8 + 2 * S, dtype=torch.int32, device=dev),
         ctr_rec=torch.zeros(R * NH, dtype=torch.int32, device=dev),
+        ctr_cnt=torch.zeros(32, dtype=torch.int32, device=dev),  # rec_cnt's count, a 128-byte line of its own
         **_ares_scratch(S, H, key.nblocks, T["k1_hc"], dev),
         part=torch.empty(16, max(16, _p2(S)), NP, dtype=torch.float32, device=dev),  # K-split partials
         ctr_n=torch.zeros(triton_cdiv(NP, 16), dtype=torch.int32, device=dev)))
@@ -143,7 +144,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
-            TRIG=pre, XC=xc, LD=T["poll_ld"], CNT=cnt > 0, **stamps.get("mid", {}), **_pdl(dev, T))
+            TRIG=pre, XC=xc, LD=T["poll_ld"], cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0, **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -159,7 +160,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
             GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], HOIST=T["rec_hoist"] and L > 1,
-            CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, ctrm_ptr=sc["ctr"],
+            CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, cnt_ptr=sc["ctr_cnt"],
             nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"],
             **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
@@ -363,7 +364,8 @@ def _unr(kd: int, want: int) -> int:
 # its spin-overflow flag). Every one is back at 0 after a completed launch.
 _COUNTERS = {
     "k1": (("ctr", "k1 attnres+in_proj", True), ("ctr_rec", "k1 conv+recurrence (gated-norm handshake)", False),
-           ("ctr_n", "k1 in_proj (K-split handshake)", False)),
+           ("ctr_n", "k1 in_proj (K-split handshake)", False),
+           ("ctr_cnt", "k1 in_proj -> recurrence count (rec_cnt)", True)),
     "k2": (("ctr", "k2 attnres+router/latent/shared", True), ("ctr_up", "k2 latent norm+up_proj", True),
            ("ctr_m", "k2 router/latent/shared (K-split handshake)", False),
            ("ctr_n", "k2 o_proj (K-split handshake)", False), ("ctr_u", "k2 up_proj (K-split handshake)", False),

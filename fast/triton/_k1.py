@@ -9,8 +9,9 @@ from ._jit import (ares_phases, bf16, gemv, mma, msq_row, pdl_enter, pdl_trigger
                    stamp, ticket_done, wait_ge)
 
 # ctr layout of a ticketed launch: [ticket, x chunks ready, programs done, spin overflow, router blocks done
-# (K2), in_proj row blocks stored (K1 rec_cnt), recurrence programs past that wait (K1 rec_cnt), -,
-# phase-A count per row (S), phase-B count per row (S)]
+# (K2), -, -, -, phase-A count per row (S), phase-B count per row (S)]. K1's rec_cnt count has its own
+# 128-byte line (cnt: [in_proj row blocks stored, recurrence programs past that wait, -, spin overflow]):
+# on ctr's line its polls would queue the k1_mid programs' own counter atomics behind them.
 
 
 @triton.jit
@@ -41,7 +42,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                   ADD: tl.constexpr, WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
                   SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
                   PDL: tl.constexpr = False, TRIG: tl.constexpr = False, XC: tl.constexpr = False, tl_ptr=None,
-                  TL: tl.constexpr = False, LD: tl.constexpr = False, CNT: tl.constexpr = False):
+                  TL: tl.constexpr = False, LD: tl.constexpr = False, cnt_ptr=None, CNT: tl.constexpr = False):
     """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
     Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
@@ -49,7 +50,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
     published, then stream one K split of one in_proj row block. Every wait is on programs
     with earlier tickets, so it ends (also on ROCm, also in the interpreter, which runs
     programs in order). The last program resets the counters.
-    CNT: each in_proj row block, once stored, raises ctr[5] (release) for k1_rec's wait.
+    CNT: each in_proj row block, once stored, raises cnt[0] (release) for k1_rec's wait.
     """
     pdl_enter(PDL)
     pdl_trigger(TRIG)
@@ -84,7 +85,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                      mask=(rs[:, None] < S) & (rn[None, :] < NP))
             if CNT:
                 tl.debug_barrier()
-                tl.atomic_add(ctr_ptr + 5, 1, sem="release", scope="gpu")
+                tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
     stamp(tl_ptr, ticket * 4 + 2, TL)
     ticket_done(ctr_ptr, NA3 + tl.cdiv(NP, BN) * SPLIT, S, TP)
 
@@ -237,7 +238,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   GT: tl.constexpr = False, FLAT: tl.constexpr = False, PDL: tl.constexpr = False,
                   PRE: tl.constexpr = False, LEAN: tl.constexpr = False, HOIST: tl.constexpr = False,
                   CT: tl.constexpr = False, tl_ptr=None,
-                  TL: tl.constexpr = False, ctrm_ptr=None, nblk=0, spin=0, CNT: tl.constexpr = False,
+                  TL: tl.constexpr = False, cnt_ptr=None, nblk=0, spin=0, CNT: tl.constexpr = False,
                   LD: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
@@ -253,9 +254,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     CT: the conv windows as [channels, positions] tiles. As [positions, channels] at SEQP = BV
     they have the state tile's shape, Triton gives the state their 16-byte bf16 layout, and every
     token's state store then converts the tile through shared memory (sm_90, L = 4, BV = 8).
-    CNT: the wait for the in_proj rows is a poll of k1_mid's count of stored row blocks (ctrm[5]
+    CNT: the wait for the in_proj rows is a poll of k1_mid's count of stored row blocks (cnt[0]
     reaching nblk), not the grid dependency's completion and flush; the last program past the
-    poll resets ctrm[5:7] (k1_mid's own reset could precede a late poll). Every k1_mid program has
+    poll resets cnt[0:2] (k1_mid's own reset could precede a late poll). Every k1_mid program has
     started before a dependent program does (k1_mid triggers at its start), so the poll ends.
     With PRE the grid wait moves to the end: this launch completes after k1_mid, as the next
     launch's wait on it assumes.
@@ -294,10 +295,10 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         wfb = tl.load(wfb_ptr + (h * HD + kk)[None, :] * sfb + ri[:, None])  # [RANK, HD(k)]
         dtb = tl.load(dtb_ptr + h * HD + kk)[None, :]
     if CNT:
-        wait_ge(ctrm_ptr + 5, nblk, spin, ctrm_ptr + 3, LD)
-        if tl.atomic_add(ctrm_ptr + 6, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) * NH * NV - 1:
-            tl.atomic_xchg(ctrm_ptr + 5, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(ctrm_ptr + 6, 0, sem="relaxed", scope="gpu")
+        wait_ge(cnt_ptr, nblk, spin, cnt_ptr + 3, LD)
+        if tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) * NH * NV - 1:
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed", scope="gpu")
     else:
         pdl_wait(PRE)
     stamp(tl_ptr, tli + 1, TL)
