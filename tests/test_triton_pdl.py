@@ -63,8 +63,8 @@ def test_pdl_changes_no_bit(fmt, mode):
 def test_rec_pdl_and_stamps_change_no_bit():
     """TUNE rec_pdl (the recurrence as k1_mid's programmatic dependent, its state and w_fb loaded
     before the wait), with rec_cnt (that wait a poll of stored in_proj row blocks), and the
-    timeline build (stamps) give the plain launch's bits over several K1 steps; every stamped
-    program has start <= after-wait <= end."""
+    timeline build (stamps) give the plain launch's bits over several K1 steps and leave the
+    backend healthy; every stamped program has start <= after-wait <= end."""
     from fast.triton import BACKEND, _host, _jit
     from fast.triton.tuning import TUNE
 
@@ -92,6 +92,7 @@ def test_rec_pdl_and_stamps_change_no_bit():
             TUNE.update(saved, **over)
             _host.clear_scratch()
             on = steps()
+            assert BACKEND.health() == [], over
             for i, (x, y) in enumerate(zip(on, off)):
                 assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with {over}"
         sc = next(v for k, v in _host._SCRATCH.items() if k[0] == "k1")

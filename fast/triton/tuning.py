@@ -35,7 +35,8 @@ TUNE: dict = dict(
     rec_cnt=0,       # 1: the recurrence waits on k1_mid's count of stored in_proj row blocks, not on the grid
                      # dependency's completion (_k1.k1_rec_kernel CNT; same bits); 2: that count polled with
                      # volatile loads (_jit.wait_ge LD). 1 vs 0, H100 bench_fast K1 µs 1x1..8x4: 53.0/54.4/56.4/
-                     # 57.8/67.0 vs 53.1/55.7/56.7/57.7/58.7 (v17): off, 8x4 +8.3
+                     # 57.8/67.0 vs 53.1/55.7/56.7/57.7/58.7; H200 bench_k1 4x4/8x4 46.5/57.1 vs 46.7/49.1 (v17):
+                     # off. Measured with the count on k1_mid's counter line; its own line since, not measured
     stamps=False,    # NVIDIA: timeline build of K1 (%globaltimer per program into scratch; bench_fast --timeline)
     # K2 launch 1: o_proj
     k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=3, k2_swap=False, o_split=1,
