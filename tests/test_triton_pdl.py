@@ -107,10 +107,11 @@ def test_rec_pdl_and_stamps_change_no_bit():
         _host.clear_scratch()
 
 
-def test_poll_ld_changes_no_bit():
-    """TUNE poll_ld (ticket waits polling with volatile loads, one acquire RMW after them) gives
-    the atomic polls' bits over several K1 + K2-world steps launched back to back (pdl in mode 1,
-    so waits overlap the previous launch), and no wait gives up or leaves a counter behind."""
+def test_poll_modes_change_no_bit():
+    """TUNE poll_ld (ticket waits polling with volatile loads, one acquire RMW after them) and
+    poll_nap (a nanosleep after each unmet poll) give the plain atomic polls' bits over several
+    K1 + K2-world steps launched back to back (pdl in mode 1, so waits overlap the previous
+    launch), and no wait gives up or leaves a counter behind."""
     from fast.triton import BACKEND, _host, _jit
     from fast.triton.tuning import TUNE
 
@@ -120,16 +121,18 @@ def test_poll_ld_changes_no_bit():
     k1 = make_k1(cfg, 3, R=2, L=4)
     k2 = make_k2(cfg, 3, fmt="mxfp4", S=8)
     saved = dict(TUNE)
+    modes = [(False, 0), (True, 0), (False, 300), (True, 300)]
     try:
         res = {}
-        for ld in (False, True):
-            TUNE.update(saved, poll_ld=ld, pdl=1 if _jit.HAS_GDC and torch.version.hip is None else 0)
+        for ld, nap in modes:
+            TUNE.update(saved, poll_ld=ld, poll_nap=nap, pdl=1 if _jit.HAS_GDC and torch.version.hip is None else 0)
             _host.clear_scratch()
-            res[ld] = _steps(BACKEND, k1, k2)
-            assert BACKEND.health() == [], f"poll_ld={ld}"
+            res[ld, nap] = _steps(BACKEND, k1, k2)
+            assert BACKEND.health() == [], f"poll_ld={ld}, poll_nap={nap}"
     finally:
         TUNE.clear()
         TUNE.update(saved)
         _host.clear_scratch()
-    for i, (x, y) in enumerate(zip(res[True], res[False])):
-        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with poll_ld"
+    for m in modes[1:]:
+        for i, (x, y) in enumerate(zip(res[m], res[modes[0]])):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"output {i} differs with poll_ld, poll_nap = {m}"

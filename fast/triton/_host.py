@@ -68,6 +68,12 @@ def _pdl(dev, T) -> dict:
     return dict(PDL=int(T["pdl"]), launch_pdl=True) if on else {}
 
 
+def _nap(dev, T) -> dict:
+    """The ticket waits' sleep between polls (_jit.wait_ge NAP): NVIDIA only, TUNE poll_nap."""
+    on = T["poll_nap"] > 0 and dev.type == "cuda" and torch.version.hip is None
+    return dict(NAP=int(T["poll_nap"])) if on else {}
+
+
 def _launch(kernel, grid, *args, **kw):
     with _LOCK:
         kernel[grid](*args, **kw)
@@ -144,7 +150,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
-            TRIG=pre, XC=xc, LD=T["poll_ld"], cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0, **stamps.get("mid", {}), **_pdl(dev, T))
+            TRIG=pre, XC=xc, LD=T["poll_ld"], **_nap(dev, T), cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0, **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -161,7 +167,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
             GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], HOIST=T["rec_hoist"] and L > 1,
             CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, cnt_ptr=sc["ctr_cnt"],
-            nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"],
+            nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"], **_nap(dev, T),
             **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,
@@ -303,7 +309,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
             T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"], BHC=ar["BHC"], ADD=3 if key.reset else 2, BN=bnm,
             BNL=BNL, BNS=BNS, BK=bkm, SP=SP, K=K, KP=_p2(K), KL=KL, CP=_p2(NG * KL), TP=_p2(S), FMT=FMT_CODE[fmt],
             BETA=key.situ_beta, LBETA=key.situ_linear_beta, SPLIT=spm, STAG=T["stag"], SWAP=T["mid_swap"], TAPS=tp,
-            LD=T["poll_ld"], num_warps=T["mid_warps"], num_stages=T["mid_stages"], **_pdl(dev, T))
+            LD=T["poll_ld"], **_nap(dev, T), num_warps=T["mid_warps"], num_stages=T["mid_stages"], **_pdl(dev, T))
     # L3: routed gemm1 + SiTU (+ v quantization), shared down -> fin
     f = FMT_CODE[fmt]
     row = fmt == "mxfp4" and S == 1  # one token row: FMA dot products (_k2._xrow) may replace the MMAs
@@ -336,7 +342,7 @@ def k2_launch(key: K2Build, *, core, w_o, prefix, blocks, ares_nw, ares_qk, in_n
     _launch(_k2.k2_up_kernel, (S + triton_cdiv(UPN, bup) * spu,), sc["ctr_up"], ls32, ln_w, sc["ln"], w_up,
             w_up.stride(0), sc["fin"], sc["kpart"], sc["ctr_u"], S, LAT, H, UPN, rank * UPN, key.ln_eps, T["spin"],
             BN=bup, BK=bku, SP=SP, LATP=_p2(LAT), SPLIT=spu, STAG=T["stag"], SWAP=T["up_swap"], TP=_p2(S),
-            LD=T["poll_ld"], num_warps=T["up_warps"], num_stages=T["k2_stages"], **_pdl(dev, T))
+            LD=T["poll_ld"], **_nap(dev, T), num_warps=T["up_warps"], num_stages=T["k2_stages"], **_pdl(dev, T))
     # reduction 3; out = bf16(sum) (the copy is the rounding)
     out.copy_(comm.all_reduce(sc["fin"], rank))
     if tp:

@@ -58,19 +58,31 @@ def stamp(tl_ptr, i, ON: tl.constexpr):
 
 
 @triton.jit
-def wait_ge(cnt_ptr, target, spin, flag_ptr, LD: tl.constexpr = False):
+def nap(ns, NAP: tl.constexpr):
+    """NVIDIA, NAP > 0: the warp sleeps for about ns nanoseconds (nanosleep: 0..2·ns); returns 0."""
+    if NAP > 0:
+        return tl.inline_asm_elementwise(asm="nanosleep.u32 $1;\n\tmov.b32 $0, 0;", constraints="=r,r", args=[ns],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return 0
+
+
+@triton.jit
+def wait_ge(cnt_ptr, target, spin, flag_ptr, LD: tl.constexpr = False, NAP: tl.constexpr = 0):
     """Spin (acquire) until *cnt_ptr >= target: a count that only programs with earlier tickets
     raise, so the wait ends on any GPU and in the interpreter (programs in order). After `spin`
     polls it gives up and raises the overflow flag *flag_ptr (read by the backend's health()).
     LD: the polls are volatile loads, and one acquire read-modify-write follows them, so the
-    waiting programs leave the counter's atomic unit to the programs that raise it."""
+    waiting programs leave the counter's atomic unit to the programs that raise it.
+    NAP (NVIDIA): a sleep of about NAP ns after each unmet poll, so hundreds of waiting programs
+    do not keep the counter's line busy while the programs they wait for raise it."""
     spins = 0
     if LD:
         while (tl.load(cnt_ptr, volatile=True) < target) & (spins < spin):
-            spins += 1
+            spins += 1 + nap(NAP + spins * 0, NAP)
     else:
         while (tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target) & (spins < spin):
-            spins += 1
+            spins += 1 + nap(NAP + spins * 0, NAP)
     if tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target:
         tl.atomic_add(flag_ptr, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
@@ -434,7 +446,8 @@ def msq_row(msq_ptr, t, tm, CH, CHP: tl.constexpr):
 def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
                 inw_ptr, x_ptr, tapd_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps,
                 NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
-                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr, XC: tl.constexpr = False, LD: tl.constexpr = False):
+                WRITE_IDX: tl.constexpr, TAPS: tl.constexpr, XC: tl.constexpr = False, LD: tl.constexpr = False,
+                NAP: tl.constexpr = 0):
     """The AttnRes role of tickets [0, 3·S·CH): A, B, C phases (see above) of (row, chunk)
     ticket % (S·CH). ctr: [.., 1 x chunks ready, .., 3 spin overflow, .., 8+t phase A of row t,
     8+S+t phase B of row t]. Phase C publishes its x chunk into ctr[1] (release). XC: no phase C
@@ -453,14 +466,14 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
         tl.atomic_add(ctr_ptr + 8 + t, 1, sem="release", scope="gpu")
     elif ph == 1:
         bank = _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
-        wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3, LD)
+        wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3, LD, NAP)
         ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
                  NB, NBP, CHP, WRITE_IDX)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + (1 if XC else 8 + S + t), 1, sem="release", scope="gpu")
     else:
         w = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32)
-        wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3, LD)
+        wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3, LD, NAP)
         ares_norm(t, c, rh, hm, mix_ptr, msq_ptr, w, x_ptr, H, H, CH, out_eps, CHP)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")

@@ -42,7 +42,8 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                   ADD: tl.constexpr, WRITE_IDX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
                   SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
                   PDL: tl.constexpr = False, TRIG: tl.constexpr = False, XC: tl.constexpr = False, tl_ptr=None,
-                  TL: tl.constexpr = False, LD: tl.constexpr = False, cnt_ptr=None, CNT: tl.constexpr = False):
+                  TL: tl.constexpr = False, LD: tl.constexpr = False, cnt_ptr=None, CNT: tl.constexpr = False,
+                  NAP: tl.constexpr = 0):
     """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
     Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
@@ -60,14 +61,14 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
     if ticket < NA3:
         ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
                     inw_ptr, x_ptr, x_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps, NB, NBP, CHP, BHC,
-                    ADD, WRITE_IDX, False, XC, LD)
+                    ADD, WRITE_IDX, False, XC, LD, NAP)
         stamp(tl_ptr, ticket * 4 + 1, TL)
     else:
         u = ticket - NA3
         nb = u // SPLIT
         ks = u % SPLIT
         n0 = nb * BN
-        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3, LD)
+        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3, LD, NAP)
         stamp(tl_ptr, ticket * 4 + 1, TL)
         nk = H // BK // SPLIT
         if XC:  # the rows' input-norm factors (phase C's), then x normalized per block in the stream
@@ -239,7 +240,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   PRE: tl.constexpr = False, LEAN: tl.constexpr = False, HOIST: tl.constexpr = False,
                   CT: tl.constexpr = False, tl_ptr=None,
                   TL: tl.constexpr = False, cnt_ptr=None, nblk=0, spin=0, CNT: tl.constexpr = False,
-                  LD: tl.constexpr = False):
+                  LD: tl.constexpr = False, NAP: tl.constexpr = 0):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
@@ -295,7 +296,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         wfb = tl.load(wfb_ptr + (h * HD + kk)[None, :] * sfb + ri[:, None])  # [RANK, HD(k)]
         dtb = tl.load(dtb_ptr + h * HD + kk)[None, :]
     if CNT:
-        wait_ge(cnt_ptr, nblk, spin, cnt_ptr + 3, LD)
+        wait_ge(cnt_ptr, nblk, spin, cnt_ptr + 3, LD, NAP)
         if tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) * NH * NV - 1:
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed", scope="gpu")

@@ -96,7 +96,7 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
                   K: tl.constexpr, KP: tl.constexpr, KL: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr,
                   FMT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, SPLIT: tl.constexpr,
                   STAG: tl.constexpr, SWAP: tl.constexpr, TAPS: tl.constexpr,
-                  PDL: tl.constexpr = False, LD: tl.constexpr = False):
+                  PDL: tl.constexpr = False, LD: tl.constexpr = False, NAP: tl.constexpr = 0):
     """Grid (3·S·CH + (NG + NL + NS)·SPLIT,): steps 2-5 and the shared gate/up of step 6, one launch.
 
     Tickets < 3·S·CH: the AttnRes phases (prefix update, AttnRes, norm; _jit.ares_phases).
@@ -117,12 +117,12 @@ def k2_mid_kernel(ctr_ptr, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw
     if ticket < NA3:
         ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, d32_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
                     inw_ptr, x_ptr, tapd_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps, NB, NBP, CHP,
-                    BHC, ADD, -1, TAPS, False, LD)
+                    BHC, ADD, -1, TAPS, False, LD, NAP)
     else:
         j = ticket - NA3
         blk = j // SPLIT
         ks = j % SPLIT
-        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3, LD)
+        wait_ge(ctr_ptr + 1, S * CH, spin, ctr_ptr + 3, LD, NAP)
         nk = H // BK // SPLIT
         k_lo = ks * nk * BK
         ko = (ticket * STAG) % nk
@@ -544,7 +544,7 @@ def k2_exp2_kernel(elist_ptr, nd_ptr, ids_ptr, tw_ptr, v_ptr, vs_ptr, w_ptr, ws_
 def k2_up_kernel(ctr_ptr, ls_ptr, lnw_ptr, ln_ptr, wup_ptr, swu, fin_ptr, part_ptr, ctrn_ptr, S, LAT, H, UPN, col0,
                  ln_eps, spin, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr, LATP: tl.constexpr,
                  SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
-                 PDL: tl.constexpr = False, LD: tl.constexpr = False):
+                 PDL: tl.constexpr = False, LD: tl.constexpr = False, NAP: tl.constexpr = 0):
     """Grid (S + cdiv(UPN, BN)·SPLIT,), ticketed like k1_mid: tickets < S compute the latent norm
     of row t, LN = bf16(Ls·rsqrt(mean(Ls²) + ln_eps)·ln_w) with Ls = bf16(reduced y), into
     ln; the others wait for the S rows, then stream one K split of this rank's up-projection
@@ -569,7 +569,7 @@ def k2_up_kernel(ctr_ptr, ls_ptr, lnw_ptr, ln_ptr, wup_ptr, swu, fin_ptr, part_p
         ks = u % SPLIT
         n0 = nb * BN
         rn = n0 + tl.arange(0, BN)
-        wait_ge(ctr_ptr + 1, S, spin, ctr_ptr + 3, LD)
+        wait_ge(ctr_ptr + 1, S, spin, ctr_ptr + 3, LD, NAP)
         nk = LAT // BK // SPLIT
         acc = gemv(ln_ptr, LAT, S, wup_ptr, swu, n0, UPN, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True,
                    SWAP)

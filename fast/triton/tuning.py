@@ -10,6 +10,7 @@ TUNE: dict = dict(
     spin=1 << 22,    # polls of a ticket wait before it gives up (raising the flag health() reports)
     poll_ld=False,   # the ticket waits poll with volatile loads, one acquire RMW after (_jit.wait_ge; same bits):
                      # on vs off, H200 K1 8x4 54.6 vs 52.6 µs, K2 4x4 185.1 vs 181.0 (v13)
+    poll_nap=0,      # NVIDIA: ns of sleep after each unmet poll of a ticket wait (_jit.wait_ge NAP; same bits); 0: none
     # K1 launch 1: AttnRes phases + in_proj
     k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
     k1_bn=32, k1_bk=128, k1_warps=2, k1_stages=6,
