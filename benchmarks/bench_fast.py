@@ -456,6 +456,22 @@ def k2_floor(key, kw, cfg, nd):
 
 # ------------------------------------------------------------------------- precompile
 
+def adopt_env() -> dict:
+    """K3VERIFY_TRITON_TUNE, if set, becomes this run's TUNE (over ROWS too), and leaves the
+    environment: variants, the tuning pass and the compile workers then apply over it."""
+    from fast.triton import tuning
+
+    env = tuning.env_overrides()
+    if env:
+        tuning.TUNE.update(env)
+        for over in tuning.ROWS.values():
+            for k in env:
+                over.pop(k, None)
+        os.environ.pop(tuning.ENV)
+        log(f"{tuning.ENV}: {env} as TUNE")
+    return env
+
+
 def use(t: dict) -> None:
     """Make t the backend's settings: its knobs as TUNE, its "_rows" as tuning.ROWS."""
     from fast.triton import _host
@@ -763,6 +779,12 @@ def main(argv=None) -> int:
         return 2
     from fast.triton import BACKEND, _host
     from fast.triton.tuning import TUNE
+
+    try:
+        adopt_env()
+    except ValueError as e:
+        print(f"bench_fast: {e}", file=sys.stderr)
+        return 2
 
     def parse(s):
         d = {}

@@ -34,9 +34,15 @@ def seed_from(nodeid: str) -> int:
 
 def pytest_configure(config):
     """K3VERIFY_REQUIRE_FLYDSL=1 (set by .ci/run): the FlyDSL compile tier must run, so a missing
-    flydsl or ld.lld is an error, not a skipped tier."""
+    flydsl or ld.lld is an error, not a skipped tier. K3VERIFY_TRITON_TUNE set is an error: it
+    would override the knobs the Triton tests set themselves, and they would pass unchecked."""
     import os
 
+    from fast.triton.tuning import ENV
+
+    if os.environ.get(ENV):
+        raise pytest.UsageError(f"{ENV} is set ({os.environ[ENV]!r}): the tests set the Triton knobs themselves; "
+                                "unset it (it is for replays and benchmarks)")
     if os.environ.get("K3VERIFY_REQUIRE_FLYDSL") == "1":
         try:
             from fast.flydsl import toolchain

@@ -3,6 +3,7 @@ choice of TUNE and ROWS from per-S launch times (pure logic, no device)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,86 @@ def test_pick_sets_tune_at_the_largest_s_and_rows_where_smaller_s_differs(monkey
     same, _ = bf.pick(base, {k: v for k, v in scores.items() if k[1] == 8} | {
         (("k1", 0), 1): [(30.0, 2)], (("k2", 1), 1): [(1.0, 0)]}, [1, 8])
     assert same["_rows"] == {2: dict(k1_bn=64)}, "a smaller S that picks the same adds no override"
+
+
+def _bench_k1():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_k1.py"
+    spec = importlib.util.spec_from_file_location("bench_k1_for_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_env_overrides_win_over_tune_and_rows(monkeypatch):
+    monkeypatch.setattr(tuning, "ROWS", {1: dict(k1_stages=4, k1_nv=8)})
+    monkeypatch.setenv(tuning.ENV, "k1_stages=5, rec_lean=false,poll_nap=0x190")
+    s1, s8 = tuning.settings(1), tuning.settings(8)
+    assert (s1["k1_stages"], s1["k1_nv"], s1["rec_lean"], s1["poll_nap"]) == (5, 8, False, 400)
+    assert (s8["k1_stages"], s8["k1_nv"], s8["rec_lean"]) == (5, tuning.TUNE["k1_nv"], False)
+    monkeypatch.delenv(tuning.ENV)
+    assert tuning.settings(8) == tuning.TUNE and tuning.settings(1)["k1_stages"] == 4
+
+
+@pytest.mark.parametrize("text, names", [("k1_splitt=4", "'k1_splitt'"), ("k1_split", "'k1_split'"),
+                                         ("k1_split=four", "k1_split='four'"), ("rec_lean=2", "rec_lean='2'")])
+def test_env_override_errors_name_the_knob(monkeypatch, text, names):
+    from fast.triton import BACKEND
+    from harness.errors import InputError
+    from harness.replay import checked_backend
+
+    monkeypatch.setenv(tuning.ENV, text)
+    with pytest.raises(ValueError, match=tuning.ENV) as e:
+        tuning.settings(1)
+    assert names in str(e.value) and "\n" not in str(e.value)
+    ok, why = BACKEND.available()
+    assert not ok and names in why
+    with pytest.raises(InputError) as e:  # the CLI's exit 2, one line naming --backend and the knob
+        checked_backend("triton")
+    assert e.value.field == "--backend" and names in str(e.value)
+
+
+def test_env_override_in_the_backend_version(monkeypatch):
+    from fast.triton import BACKEND
+
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    plain = BACKEND.version
+    monkeypatch.setenv(tuning.ENV, "poll_nap=400")
+    assert BACKEND.version == f"{plain} (K3VERIFY_TRITON_TUNE=poll_nap=400)"
+
+
+def test_bench_adopts_the_override_as_tune(monkeypatch):
+    bf = _bench_fast()
+    monkeypatch.setattr(tuning, "TUNE", dict(tuning.TUNE, k1_stages=6, poll_nap=0))
+    monkeypatch.setattr(tuning, "ROWS", {1: dict(k1_stages=4, k1_nv=8)})
+    monkeypatch.setenv(tuning.ENV, "k1_stages=5,poll_nap=400")
+    assert bf.adopt_env() == dict(k1_stages=5, poll_nap=400)
+    assert (tuning.TUNE["k1_stages"], tuning.TUNE["poll_nap"]) == (5, 400)
+    assert tuning.ROWS == {1: dict(k1_nv=8)}, "the override holds at every S"
+    assert tuning.ENV not in os.environ, "variants and compile workers apply over it, not under it"
+
+
+def test_bench_k1_best_needs_a_clear_win():
+    b = _bench_k1()
+
+    def row(v, r44, r84, bad=()):
+        return dict(variant=v, cases={"4x4": dict(us=r44 * 23, floor=23, bad=list(bad)),
+                                      "8x4": dict(us=r84 * 24, floor=24, bad=[])})
+    table = [row({}, 2.03, 2.02), row(dict(poll_nap=400), 1.97, 1.99), row(dict(poll_nap=1500), 1.95, 2.03),
+             row(dict(k1_split=4), 1.90, 1.90, bad=["core_out"])]
+    assert b.best(table) == dict(poll_nap=400), "the worst case decides; a failed check never wins"
+    assert b.best([row({}, 2.03, 2.02), row(dict(k1_split=4), 2.025, 2.015)]) == {}, "inside the spread: defaults"
+    assert b.best([row({}, 2.0, 2.0)]) == {}
+
+
+def test_the_suite_refuses_to_run_with_an_override():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, K3VERIFY_TRITON_TUNE="poll_nap=400", PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root),
+                        "-c", str(root / "pyproject.toml"), "--confcutdir", str(root / "tests"),
+                        str(root / "tests" / "test_tuning.py::test_shipped_rows_name_real_knobs")],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "K3VERIFY_TRITON_TUNE is set" in r.stdout + r.stderr

@@ -19,17 +19,25 @@ class _Backend:
 
     @property
     def version(self) -> str:
+        """The backend's version; a K3VERIFY_TRITON_TUNE override is part of it (reports show it)."""
         try:
             import triton
-            return f"0.1.0+triton{triton.__version__}"
+            v = f"0.1.0+triton{triton.__version__}"
         except ImportError:
-            return "0.1.0"
+            v = "0.1.0"
+        tune = os.environ.get("K3VERIFY_TRITON_TUNE", "").strip()
+        return f"{v} (K3VERIFY_TRITON_TUNE={tune})" if tune else v
 
     def available(self) -> tuple[bool, str]:
         try:
             import triton  # noqa: F401
         except ImportError:
             return False, "triton not installed"
+        from .tuning import env_overrides
+        try:
+            env_overrides()
+        except ValueError as e:
+            return False, str(e)
         if os.environ.get("TRITON_INTERPRET", "0") == "1":
             return True, "CPU interpreter (TRITON_INTERPRET=1)"
         import torch

@@ -3,6 +3,9 @@ benchmarks/bench_fast.py times the CANDIDATES of every launch on the device and 
 fastest per launch; benchmarks/NOTES.md has what each one measured."""
 from __future__ import annotations
 
+import functools
+import os
+
 TUNE: dict = dict(
     stag=5,          # K-block visiting order offset per program (0: all programs in step)
     pdl=0,           # NVIDIA: launches as programmatic dependents (_jit.pdl_enter: 1 the next starts at once, 2 as
@@ -71,10 +74,42 @@ ROWS: dict = {1: dict(k1_bk=256, k1_stages=4, k1_nv=8, k2_bn=32, k2_warps=2, k2_
               4: dict(k2_stages=4, mid_stages=4, x1_stages=3, x1_split=4, up_bk=128, up_warps=8)}
 
 
+ENV = "K3VERIFY_TRITON_TUNE"
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_env(text: str) -> tuple:
+    out = []
+    for kv in filter(None, (p.strip() for p in text.split(","))):
+        k, eq, v = kv.partition("=")
+        k, v = k.strip(), v.strip()
+        if not eq or k not in TUNE:
+            raise ValueError(f"{ENV}: {k!r} is not a TUNE knob (want 'knob=value,...')")
+        if isinstance(TUNE[k], bool):
+            if v.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{ENV}: {k}={v!r}: want true/false or 1/0")
+            out.append((k, v.lower() in ("1", "true")))
+        else:
+            try:
+                out.append((k, int(v, 0)))
+            except ValueError:
+                raise ValueError(f"{ENV}: {k}={v!r}: want an integer") from None
+    return tuple(out)
+
+
+def env_overrides() -> dict:
+    """Knobs set by the environment, over TUNE and ROWS: K3VERIFY_TRITON_TUNE='poll_nap=400,k1_split=4'
+    tries a setting in replays and benchmarks without an edit (the test suite refuses to run with it set).
+    ValueError naming the knob on a malformed value (the backend is then not available)."""
+    return dict(_parse_env(os.environ.get(ENV, "")))
+
+
 def settings(rows: int) -> dict:
-    """TUNE with the ROWS overrides of a build of `rows` token rows."""
+    """TUNE with the ROWS overrides of a build of `rows` token rows, then env_overrides()."""
     m = min((m for m in ROWS if m >= rows), default=None)
-    return dict(TUNE, **ROWS[m]) if m is not None else dict(TUNE)
+    out = dict(TUNE, **(ROWS[m] if m is not None else {}))
+    out.update(env_overrides())
+    return out
 
 
 # The knobs of each launch (call, index of the launch within the call): a launch's time
