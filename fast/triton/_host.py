@@ -150,7 +150,8 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
-            TRIG=pre, XC=xc, LD=T["poll_ld"], **_nap(dev, T), cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0, **stamps.get("mid", {}), **_pdl(dev, T))
+            TRIG=pre, XC=xc, LD=T["poll_ld"], **_nap(dev, T), cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0,
+            **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
