@@ -778,30 +778,19 @@ def main(argv=None) -> int:
         print("bench_fast: needs a CUDA/ROCm device", file=sys.stderr)
         return 2
     from fast.triton import BACKEND, _host
-    from fast.triton.tuning import TUNE
+    from fast.triton.tuning import ROWS, TUNE, parse_knobs
 
     try:
         adopt_env()
+        over = parse_knobs(a.set, "--set")
+        variants = [parse_knobs(v, "--sweep") for v in a.sweep.split(";") if v.strip()]
     except ValueError as e:
         print(f"bench_fast: {e}", file=sys.stderr)
         return 2
-
-    def parse(s):
-        d = {}
-        for kv in filter(None, s.split(",")):
-            k, v = kv.split("=")
-            if k not in TUNE:
-                raise SystemExit(f"bench_fast: unknown TUNE key {k!r}")
-            d[k] = type(TUNE[k])(int(v) if v.isdigit() else v in ("1", "True", "true"))
-        return d
-
-    from fast.triton.tuning import ROWS
-
     base = dict(TUNE, _rows={m: dict(o) for m, o in ROWS.items()})
-    base.update(parse(a.set))
+    base.update(over)
     TUNE_DEFAULTS = dict(base)
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",") if c]
-    variants = [parse(v) for v in a.sweep.split(";") if v.strip()]
     sweep_cases = [tuple(int(x) for x in c.split("x")) for c in a.sweep_cases.split(",") if c]
     dev = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False

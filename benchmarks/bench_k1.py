@@ -35,17 +35,6 @@ from ref import config as rcfg  # noqa: E402
 from ref import synth  # noqa: E402
 
 
-def parse(s: str) -> dict:
-    from fast.triton.tuning import TUNE
-    d = {}
-    for kv in filter(None, s.split(",")):
-        k, v = kv.split("=")
-        if k not in TUNE:
-            raise SystemExit(f"bench_k1: unknown TUNE key {k!r}")
-        d[k] = type(TUNE[k])(int(v) if v.lstrip("-").isdigit() else v in ("True", "true"))
-    return d
-
-
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
@@ -131,22 +120,22 @@ def main(argv=None) -> int:
         print("bench_k1: needs a CUDA/ROCm device", file=sys.stderr)
         return 2
     from fast.triton import BACKEND, _host
-    from fast.triton.tuning import ROWS, TUNE
+    from fast.triton.tuning import ROWS, TUNE, parse_knobs
 
     try:
         bf.adopt_env()
+        variants = [{}] + [parse_knobs(v, "--variants") for v in a.variants.split(";") if v.strip()]
+        tvars = [{}] + [parse_knobs(v, "--tl-variants") for v in a.tl_variants.split(";") if v.strip()]
     except ValueError as e:
         print(f"bench_k1: {e}", file=sys.stderr)
         return 2
     base = dict(TUNE, _rows={m: dict(o) for m, o in ROWS.items()})
-    variants = [{}] + [parse(v) for v in a.variants.split(";") if v.strip()]
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",") if c]
     tcases = [tuple(int(x) for x in c.split("x")) for c in a.timeline.split(",") if c]
     cfg = rcfg.get_config("k3-tp8")
     CH = _host._ares_dims(cfg.hidden, 8, TUNE["k1_hc"])["CH"]
     dev = "cuda"
     bf.log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {BACKEND.version}")
-    tvars = [{}] + [parse(v) for v in a.tl_variants.split(";") if v.strip()]
     jobs = [(dict(base, **v), cases) for v in variants] + [(dict(base, **v, stamps=True), tcases) for v in tvars
                                                             if tcases]
     bf.precompile(jobs, "mxfp4", 16)

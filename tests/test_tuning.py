@@ -36,16 +36,17 @@ def test_shipped_rows_name_real_knobs():
         assert set(over) <= set(tuning.TUNE), set(over) - set(tuning.TUNE)
 
 
-def _bench_fast():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fast.py"
-    spec = importlib.util.spec_from_file_location("bench_fast_for_test", path)
+def _bench(name: str = "bench_fast"):
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_for_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_pick_sets_tune_at_the_largest_s_and_rows_where_smaller_s_differs(monkeypatch):
-    bf = _bench_fast()
+    bf = _bench()
     monkeypatch.setattr(tuning, "CANDIDATES", {("k1", 0): [{}, dict(k1_split=1), dict(k1_split=7, k1_bn=16)],
                                                ("k2", 1): [{}, dict(mid_warps=4)]})
     monkeypatch.setattr(tuning, "GROUPS", {("k1", 0): ("k1_split", "k1_bn"), ("k2", 1): ("mid_warps",)})
@@ -65,14 +66,6 @@ def test_pick_sets_tune_at_the_largest_s_and_rows_where_smaller_s_differs(monkey
     same, _ = bf.pick(base, {k: v for k, v in scores.items() if k[1] == 8} | {
         (("k1", 0), 1): [(30.0, 2)], (("k2", 1), 1): [(1.0, 0)]}, [1, 8])
     assert same["_rows"] == {2: dict(k1_bn=64)}, "a smaller S that picks the same adds no override"
-
-
-def _bench_k1():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_k1.py"
-    spec = importlib.util.spec_from_file_location("bench_k1_for_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_env_overrides_win_over_tune_and_rows(monkeypatch):
@@ -113,7 +106,7 @@ def test_env_override_in_the_backend_version(monkeypatch):
 
 
 def test_bench_adopts_the_override_as_tune(monkeypatch):
-    bf = _bench_fast()
+    bf = _bench()
     monkeypatch.setattr(tuning, "TUNE", dict(tuning.TUNE, k1_stages=6, poll_nap=0))
     monkeypatch.setattr(tuning, "ROWS", {1: dict(k1_stages=4, k1_nv=8)})
     monkeypatch.setenv(tuning.ENV, "k1_stages=5,poll_nap=400")
@@ -124,7 +117,7 @@ def test_bench_adopts_the_override_as_tune(monkeypatch):
 
 
 def test_bench_k1_best_needs_a_clear_win():
-    b = _bench_k1()
+    b = _bench("bench_k1")
 
     def row(v, r44, r84, bad=()):
         return dict(variant=v, cases={"4x4": dict(us=r44 * 23, floor=23, bad=list(bad)),
@@ -148,3 +141,10 @@ def test_the_suite_refuses_to_run_with_an_override():
                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 4, r.stdout + r.stderr
     assert "K3VERIFY_TRITON_TUNE is set" in r.stdout + r.stderr
+
+
+def test_bench_variants_parse_as_the_override_does():
+    assert tuning.parse_knobs("k1_split=4,rec_lean=0,poll_nap=400", "--variants") == dict(
+        k1_split=4, rec_lean=False, poll_nap=400)
+    with pytest.raises(ValueError, match=r"^--sweep: 'k1_spilt' is not a TUNE knob"):
+        tuning.parse_knobs("k1_spilt=4", "--sweep")

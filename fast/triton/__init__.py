@@ -25,8 +25,9 @@ class _Backend:
             v = f"0.1.0+triton{triton.__version__}"
         except ImportError:
             v = "0.1.0"
-        tune = os.environ.get("K3VERIFY_TRITON_TUNE", "").strip()
-        return f"{v} (K3VERIFY_TRITON_TUNE={tune})" if tune else v
+        from .tuning import ENV
+        tune = os.environ.get(ENV, "").strip()
+        return f"{v} ({ENV}={tune})" if tune else v
 
     def available(self) -> tuple[bool, str]:
         try:

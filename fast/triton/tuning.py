@@ -77,23 +77,29 @@ ROWS: dict = {1: dict(k1_bk=256, k1_stages=4, k1_nv=8, k2_bn=32, k2_warps=2, k2_
 ENV = "K3VERIFY_TRITON_TUNE"
 
 
-@functools.lru_cache(maxsize=8)
-def _parse_env(text: str) -> tuple:
+def parse_knobs(text: str, src: str = ENV) -> dict:
+    """'knob=value,...' -> {knob: value} typed as TUNE's (ints in any base; true/false or 1/0 for
+    the switches): K3VERIFY_TRITON_TUNE and the benchmarks' variants. ValueError naming src and the knob."""
+    return dict(_parse(text, src))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(text: str, src: str) -> tuple:
     out = []
     for kv in filter(None, (p.strip() for p in text.split(","))):
         k, eq, v = kv.partition("=")
         k, v = k.strip(), v.strip()
         if not eq or k not in TUNE:
-            raise ValueError(f"{ENV}: {k!r} is not a TUNE knob (want 'knob=value,...')")
+            raise ValueError(f"{src}: {k!r} is not a TUNE knob (want 'knob=value,...')")
         if isinstance(TUNE[k], bool):
             if v.lower() not in ("0", "1", "true", "false"):
-                raise ValueError(f"{ENV}: {k}={v!r}: want true/false or 1/0")
+                raise ValueError(f"{src}: {k}={v!r}: want true/false or 1/0")
             out.append((k, v.lower() in ("1", "true")))
         else:
             try:
                 out.append((k, int(v, 0)))
             except ValueError:
-                raise ValueError(f"{ENV}: {k}={v!r}: want an integer") from None
+                raise ValueError(f"{src}: {k}={v!r}: want an integer") from None
     return tuple(out)
 
 
@@ -101,7 +107,7 @@ def env_overrides() -> dict:
     """Knobs set by the environment, over TUNE and ROWS: K3VERIFY_TRITON_TUNE='poll_nap=400,k1_split=4'
     tries a setting in replays and benchmarks without an edit (the test suite refuses to run with it set).
     ValueError naming the knob on a malformed value (the backend is then not available)."""
-    return dict(_parse_env(os.environ.get(ENV, "")))
+    return parse_knobs(os.environ.get(ENV, ""))
 
 
 def settings(rows: int) -> dict:
