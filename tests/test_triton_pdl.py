@@ -62,9 +62,10 @@ def test_pdl_changes_no_bit(fmt, mode):
 
 def test_rec_pdl_and_stamps_change_no_bit():
     """TUNE rec_pdl (the recurrence as k1_mid's programmatic dependent, its state and w_fb loaded
-    before the wait), with rec_cnt (that wait a poll of stored in_proj row blocks), and the
-    timeline build (stamps) give the plain launch's bits over several K1 steps and leave the
-    backend healthy; every stamped program has start <= after-wait <= end."""
+    before the wait), with rec_cnt (that wait a poll of stored in_proj row blocks; with rec_occ
+    under a register cap too), and the timeline build (stamps) give the plain launch's bits over
+    several K1 steps and leave the backend healthy; every stamped program has start <= after-wait
+    <= end."""
     from fast.triton import BACKEND, _host, _jit
     from fast.triton.tuning import TUNE
 
@@ -88,7 +89,8 @@ def test_rec_pdl_and_stamps_change_no_bit():
         _host.clear_scratch()
         off = steps()
         for over in (dict(rec_pdl=True, rec_cnt=0, stamps=False), dict(rec_pdl=True, rec_cnt=1, stamps=False),
-                     dict(rec_pdl=True, rec_cnt=2, stamps=False), dict(rec_pdl=True, stamps=True)):
+                     dict(rec_pdl=True, rec_cnt=2, stamps=False), dict(rec_pdl=True, rec_cnt=1, rec_occ=3, stamps=False),
+                     dict(rec_pdl=True, stamps=True)):
             TUNE.update(saved, **over)
             _host.clear_scratch()
             on = steps()

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from fast.triton import tuning
 
@@ -148,3 +149,16 @@ def test_bench_variants_parse_as_the_override_does():
         k1_split=4, rec_lean=False, poll_nap=400)
     with pytest.raises(ValueError, match=r"^--sweep: 'k1_spilt' is not a TUNE knob"):
         tuning.parse_knobs("k1_spilt=4", "--sweep")
+
+
+@pytest.mark.parametrize("occ,warps,cap", [(3, 4, 168), (2, 4, 255), (4, 4, 128), (3, 8, 80), (1, 4, 255)])
+def test_rec_occ_caps_registers_so_occ_programs_fit(occ, warps, cap):
+    """rec_occ's cap: occ programs of `warps` warps within an SM's 65536 registers, allocated
+    per warp in 256-register units (so a multiple of 8 per thread), never above ptxas' 255."""
+    from fast.triton import _host
+
+    got = _host._occ(torch.device("cuda"), occ, warps)["maxnreg"]
+    assert got == cap
+    assert occ * warps * 32 * got <= 65536 and (got % 8 == 0 or got == 255)
+    assert got == 255 or occ * warps * 32 * (got + 8) > 65536  # the largest that fits
+    assert _host._occ(torch.device("cpu"), occ, warps) == {} and _host._occ(torch.device("cuda"), 0, warps) == {}

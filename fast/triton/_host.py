@@ -74,6 +74,14 @@ def _nap(dev, T) -> dict:
     return dict(NAP=int(T["poll_nap"])) if on else {}
 
 
+def _occ(dev, occ: int, warps: int) -> dict:
+    """ptxas register cap that leaves room for `occ` programs of `warps` warps per SM (NVIDIA; 0: none).
+    An SM's 64K registers go out in 256-register warp units, so the cap is a multiple of 8."""
+    if occ <= 0 or dev.type != "cuda" or torch.version.hip is not None:
+        return {}
+    return dict(maxnreg=min(255, 65536 // (occ * warps * 32) // 8 * 8))
+
+
 def _launch(kernel, grid, *args, **kw):
     with _LOCK:
         kernel[grid](*args, **kw)
@@ -169,6 +177,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], HOIST=T["rec_hoist"] and L > 1,
             CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, cnt_ptr=sc["ctr_cnt"],
             nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"], **_nap(dev, T),
+            **_occ(dev, T["rec_occ"], T["rec_warps"]),
             **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,

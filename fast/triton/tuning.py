@@ -13,7 +13,8 @@ TUNE: dict = dict(
     spin=1 << 22,    # polls of a ticket wait before it gives up (raising the flag health() reports)
     poll_ld=False,   # the ticket waits poll with volatile loads, one acquire RMW after (_jit.wait_ge; same bits):
                      # on vs off, H200 K1 8x4 54.6 vs 52.6 µs, K2 4x4 185.1 vs 181.0 (v13)
-    poll_nap=0,      # NVIDIA: ns of sleep after each unmet poll of a ticket wait (_jit.wait_ge NAP; same bits); 0: none
+    poll_nap=0,      # NVIDIA: ns of sleep after each unmet poll of a ticket wait (_jit.wait_ge NAP; same bits); 0: none.
+                     # H100 bench_k1 K1 4x4/8x4: 0 55.8/58.8, 100 56.4/58.7, 400 56.3/59.1, 1500 58.7/61.0 µs (v20)
     # K1 launch 1: AttnRes phases + in_proj
     k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
     k1_bn=32, k1_bk=128, k1_warps=2, k1_stages=6,
@@ -40,7 +41,12 @@ TUNE: dict = dict(
                      # dependency's completion (_k1.k1_rec_kernel CNT; same bits); 2: that count polled with
                      # volatile loads (_jit.wait_ge LD). 1 vs 0, H100 bench_fast K1 µs 1x1..8x4: 53.0/54.4/56.4/
                      # 57.8/67.0 vs 53.1/55.7/56.7/57.7/58.7; H200 bench_k1 4x4/8x4 46.5/57.1 vs 46.7/49.1 (v17):
-                     # off. Measured with the count on k1_mid's counter line; its own line since, not measured
+                     # off. On its own line since: 8x4 66.8 vs 58.9 still (H100, v20): the loss is registers, below
+    rec_occ=0,       # NVIDIA: cap the recurrence's registers so rec_occ programs fit an SM (ptxas maxnreg; 0: none).
+                     # rec_cnt's poll takes the L = 4 build from 168 to 173 registers (Triton 3.6, sm_90), two
+                     # programs per SM, and 8x4's 384 programs a second wave; capped at 168 (3) it spills nothing.
+                     # H100 bench_k1 K1 1x1/4x4/8x4, rec_cnt=1: 52.5/58.3/59.8 with 3, 54.1/56.4/66.8 without,
+                     # defaults 58.3/56.5/58.9 µs (v20): the wave is gone, no gain at L = 4, so both stay off
     stamps=False,    # NVIDIA: timeline build of K1 (%globaltimer per program into scratch; bench_fast --timeline)
     # K2 launch 1: o_proj
     k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=3, k2_swap=False, o_split=1,
@@ -123,7 +129,7 @@ def settings(rows: int) -> dict:
 GROUPS: dict = {
     ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc"),
     ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_pdl",
-                "rec_cnt"),
+                "rec_cnt", "rec_occ"),
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
