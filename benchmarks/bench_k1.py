@@ -40,9 +40,15 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def timeline(backend, sets, key1, CH, phases):
-    """One graph replay of K1 with stamps on; per-phase times in µs from k1_mid's first start."""
+def timeline(backend, sets, key1):
+    """One graph replay of K1 with stamps on; per-phase times in µs from k1_mid's first start. The
+    phase programs are counted with the settings of the build (k1_hc, k1_xc), as the launch did."""
     from fast.triton import _host
+    from fast.triton.tuning import settings
+
+    T = settings(key1.tokens)
+    CH = _host._ares_dims(sets[0][1]["prefix"].shape[1], key1.nblocks, T["k1_hc"])["CH"]
+    phases = 2 if T["k1_xc"] else 3
 
     fns = [lambda s=sets[0]: backend.kda_pre(s[0], **s[1])]
     bf.graph_time(fns, reps=3)
@@ -119,7 +125,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_k1: needs a CUDA/ROCm device", file=sys.stderr)
         return 2
-    from fast.triton import BACKEND, _host
+    from fast.triton import BACKEND
     from fast.triton.tuning import ROWS, TUNE, parse_knobs
 
     try:
@@ -133,7 +139,6 @@ def main(argv=None) -> int:
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",") if c]
     tcases = [tuple(int(x) for x in c.split("x")) for c in a.timeline.split(",") if c]
     cfg = rcfg.get_config("k3-tp8")
-    CH = _host._ares_dims(cfg.hidden, 8, TUNE["k1_hc"])["CH"]
     dev = "cuda"
     bf.log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {BACKEND.version}")
     jobs = [(dict(base, **v), cases) for v in variants] + [(dict(base, **v, stamps=True), tcases) for v in tvars
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
         for S, L in tcases:
             bf.use(dict(base, **v, stamps=True))
             sets = [bf.make_case(cfg, S, L, "mxfp4", dev, w1, w2)]
-            tl_ = timeline(BACKEND, sets, sets[0][0], CH, 2 if v.get("k1_xc") else 3)
+            tl_ = timeline(BACKEND, sets, sets[0][0])
             name = ",".join(f"{k}={x}" for k, x in v.items()) or "defaults"
             res["timeline"][f"{name} {S}x{L}"] = tl_
             bf.log(f"timeline {name} {S}x{L} (µs from k1_mid's first program):")

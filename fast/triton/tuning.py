@@ -16,7 +16,8 @@ TUNE: dict = dict(
     poll_nap=0,      # NVIDIA: ns of sleep after each unmet poll of a ticket wait (_jit.wait_ge NAP; same bits); 0: none.
                      # H100 bench_k1 K1 4x4/8x4: 0 55.8/58.8, 100 56.4/58.7, 400 56.3/59.1, 1500 58.7/61.0 µs (v20)
     # K1 launch 1: AttnRes phases + in_proj
-    k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc)
+    k1_hc=1024,      # AttnRes column chunk (programs per token row and phase: hidden / k1_hc); H100 bench_k1 K1
+                     # 1x1/4x4/8x4: 1024 53.8/56.1/58.2, 512 52.5/55.8/58.7, 256 55.9/57.3/60.4, 2048 56.3/58.1/60.4 µs (v21)
     k1_bn=32, k1_bk=128, k1_warps=2, k1_stages=6,
     k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
