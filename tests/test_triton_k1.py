@@ -244,7 +244,7 @@ def test_ares_row_sums_against_a_loop(backend):
     blocks = torch.randn(1, NB, H, generator=g).to(bf)
     nw = (1 + 0.3 * torch.randn(H, generator=g)).to(bf)
     qk = torch.randn(H, generator=g).to(bf)
-    out = torch.zeros(2 * NBP)
+    out = torch.full((2 * NBP,), float("nan"))  # every entry must be written, the empty source's as 0
     _row_sums_probe[(1,)](prefix, delta, blocks, blocks.stride(0), blocks.stride(1), nw, qk, out, H, NB=NB, NBP=NBP,
                           WRITE_IDX=WI, BKA=32)
     pre = (prefix.float() + delta.float()).to(bf).double()[0]

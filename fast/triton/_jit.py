@@ -372,11 +372,8 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
     vb = _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
     cw = tl.load(nw_ptr + rh, mask=hm, other=0.0).to(tl.float32) * tl.load(qk_ptr + rh, mask=hm, other=0.0).to(
         tl.float32)
-    p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
-    if ADD == 1:
-        d = tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0)
-        pre = bf16(p.to(tl.float32) + d.to(tl.float32))
-    elif ADD == 2:
+    if ADD == 2:
+        p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
         d = bf16(tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0))
         pre = bf16(p.to(tl.float32) + d.to(tl.float32))
         if TAPS:
@@ -386,7 +383,7 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
         if TAPS:
             tl.store(tapd_ptr + t * H + rh, pre, mask=hm)
     else:
-        pre = p
+        pre = _pre_chunk(t, rh, hm, prefix_ptr, sp, add_ptr, sa, ADD)
     if ADD != 0:
         tl.store(prefix_ptr + t * sp + rh, pre, mask=hm)
     if WRITE_IDX >= 0:
@@ -432,7 +429,7 @@ def _mix_chunk(t, c, rh, hm, dot, sq, pre, bank, mix_ptr, msq_ptr, H, eps, NB: t
 
 @triton.jit
 def _pre_chunk(t, rh, hm, prefix_ptr, sp, add_ptr, sa, ADD: tl.constexpr):
-    """K1's new prefix of row t at columns rh, not stored: bf16(prefix + delta) (ADD 1) or prefix."""
+    """The new prefix of row t at columns rh, not stored: bf16(prefix + delta) (ADD 1) or prefix (0)."""
     p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
     if ADD == 1:
         d = tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0)
