@@ -11,9 +11,6 @@ import pytest
 import torch
 
 from triton_tier import backend, triton, tune  # noqa: E402,F401  (sets TRITON_INTERPRET first)
-import triton.language as tl  # noqa: E402
-
-from fast.triton._jit import ares_row_sums  # noqa: E402
 
 import ref  # noqa: E402
 from conftest import clone, make_k1  # noqa: E402
@@ -202,63 +199,6 @@ def test_rec_cap_halves_the_value_split(backend, tune, k1_case, monkeypatch):
     _run(backend, key, kw)
     nh = kw["a_log"].shape[0]
     assert grids == [(3, nh, 1), (3, nh, 2)]
-
-
-@pytest.mark.parametrize("case", ["block_write_delta", "no_delta"])
-def test_k1_ab_matches_reference(backend, tune, k1_case, case):
-    """k1_ab (no phase A: every phase B program sums its whole row by MMAs, c = nw·qk split exactly
-    into two bf16, Σ v² from the Gram diagonal; phase C stores the new prefix and the written bank
-    row) matches the reference as the default launch does, twice in a row, and leaves the backend
-    healthy. The sums run in the MMA's order, so the bits may differ from phase A's chunk order."""
-    tune.update(k1_nv=2, k1_hc=48, k1_ab=True)  # 3 chunks per row: each B program reads all three
-    if case == "block_write_delta":
-        key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
-        assert key.write_idx == 1
-    else:
-        key, kw = k1_case(layer=3, R=3, L=2, with_delta=False)
-    for _ in range(2):
-        _check(key, kw, *_run(backend, key, kw))
-        assert backend.health() == []
-
-
-@triton.jit
-def _row_sums_probe(prefix, delta, blocks, sbt, sbb, nw, qk, out, H, NB: tl.constexpr, NBP: tl.constexpr,
-                    WRITE_IDX: tl.constexpr, BKA: tl.constexpr):
-    dot, sq = ares_row_sums(0, prefix, H, delta, H, blocks, sbt, sbb, nw, qk, H, NB, NBP, 1, WRITE_IDX, 16, BKA)
-    rs = tl.arange(0, NBP)
-    tl.store(out + rs, dot)
-    tl.store(out + NBP + rs, sq)
-
-
-def test_ares_row_sums_against_a_loop(backend):
-    """_jit.ares_row_sums (k1_ab) against an fp64 loop of its formula: per source s (bank rows, row
-    WRITE_IDX and row NB the new prefix bf16(prefix + delta), zeros past NB), Σ_h v_s·nw·qk and
-    Σ_h v_s², over 100 columns in 32-wide steps (a masked tail). The bound, 1e-6 of Σ|terms|, is
-    fp32 summation error with room: measured 7e-9 (Σ v·c) and 1.5e-8 (Σ v²) here, against 3.2e-4
-    with c rounded to one bf16 instead of split in two."""
-    g = torch.Generator().manual_seed(3)
-    H, NB, NBP, WI = 100, 2, 4, 1  # sources: bank row 0, row 1 written, the prefix as row 2, row 3 empty
-    bf = torch.bfloat16
-    prefix = torch.randn(1, H, generator=g).to(bf)
-    delta = torch.randn(1, H, generator=g).to(bf)
-    blocks = torch.randn(1, NB, H, generator=g).to(bf)
-    nw = (1 + 0.3 * torch.randn(H, generator=g)).to(bf)
-    qk = torch.randn(H, generator=g).to(bf)
-    out = torch.full((2 * NBP,), float("nan"))  # every entry must be written, the empty source's as 0
-    _row_sums_probe[(1,)](prefix, delta, blocks, blocks.stride(0), blocks.stride(1), nw, qk, out, H, NB=NB, NBP=NBP,
-                          WRITE_IDX=WI, BKA=32)
-    pre = (prefix.float() + delta.float()).to(bf).double()[0]
-    v = torch.zeros(NBP, H, dtype=torch.float64)
-    for s in range(NB):
-        v[s] = pre if s == WI else blocks[0, s].double()
-    v[NB] = pre
-    c = nw.double() * qk.double()
-    dot_ref = torch.tensor([sum(float(v[s, h] * c[h]) for h in range(H)) for s in range(NBP)], dtype=torch.float64)
-    sq_ref = torch.tensor([sum(float(v[s, h] ** 2) for h in range(H)) for s in range(NBP)], dtype=torch.float64)
-    scale = (v.abs() * c.abs()).sum(1)
-    assert ((out[:NBP].double() - dot_ref).abs() <= 1e-6 * scale + 1e-30).all(), (out[:NBP], dot_ref)
-    assert ((out[NBP:].double() - sq_ref).abs() <= 1e-6 * sq_ref + 1e-30).all(), (out[NBP:], sq_ref)
-    assert out[NB + 1:NBP].eq(0).all() and out[NBP + NB + 1:].eq(0).all()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

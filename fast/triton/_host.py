@@ -142,8 +142,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     NB = key.nblocks
     spl = _split(H // bk, T["k1_split"])
     xc = bool(T["k1_xc"])
-    ab = bool(T["k1_ab"]) and not xc
-    grid_mid = (2 if xc or ab else 3) * S * ar["CH"] + triton_cdiv(NP, bn) * spl
+    grid_mid = (2 if xc else 3) * S * ar["CH"] + triton_cdiv(NP, bn) * spl
     nvidia = dev.type == "cuda" and torch.version.hip is None and _jit.HAS_GDC
     pre = bool(T["rec_pdl"]) and nvidia
     cnt = int(T["rec_cnt"])
@@ -160,7 +159,6 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
             TRIG=pre, XC=xc, LD=T["poll_ld"], **_nap(dev, T), cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0,
-            **(dict(AB=True, MP=max(16, ar["NBP"]), BKA=min(128, _p2(H))) if ab else {}),
             **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:

@@ -372,8 +372,11 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
     vb = _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
     cw = tl.load(nw_ptr + rh, mask=hm, other=0.0).to(tl.float32) * tl.load(qk_ptr + rh, mask=hm, other=0.0).to(
         tl.float32)
-    if ADD == 2:
-        p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
+    p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
+    if ADD == 1:
+        d = tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0)
+        pre = bf16(p.to(tl.float32) + d.to(tl.float32))
+    elif ADD == 2:
         d = bf16(tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0))
         pre = bf16(p.to(tl.float32) + d.to(tl.float32))
         if TAPS:
@@ -383,7 +386,7 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
         if TAPS:
             tl.store(tapd_ptr + t * H + rh, pre, mask=hm)
     else:
-        pre = _pre_chunk(t, rh, hm, prefix_ptr, sp, add_ptr, sa, ADD)
+        pre = p
     if ADD != 0:
         tl.store(prefix_ptr + t * sp + rh, pre, mask=hm)
     if WRITE_IDX >= 0:
@@ -399,7 +402,7 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
 def ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
              NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, WRITE_IDX: tl.constexpr):
     """Phase B, chunk c of row t (after the row's phase A): logits from the chunk partials (summed
-    in chunk order), then _mix_chunk with the new prefix phase A stored.
+    in chunk order), softmax, the mixed chunk Σ p_s·v_s (fp32, stored), its partial Σ mixed².
     bank: the chunk's bank rows (_bank), loaded before the wait (phase A never writes them)."""
     rs = tl.arange(0, NBP)
     rc = tl.arange(0, CHP)
@@ -407,68 +410,15 @@ def ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H,
     pb = apart_ptr + t * CH * (2 * NBP) + rc[:, None] * (2 * NBP) + rs[None, :]
     dot = tl.sum(tl.load(pb, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
     sq = tl.sum(tl.load(pb + NBP, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
-    pre = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
-    _mix_chunk(t, c, rh, hm, dot, sq, pre, bank, mix_ptr, msq_ptr, H, eps, NB, NBP, CHP, WRITE_IDX)
-
-
-@triton.jit
-def _mix_chunk(t, c, rh, hm, dot, sq, pre, bank, mix_ptr, msq_ptr, H, eps, NB: tl.constexpr, NBP: tl.constexpr,
-               CHP: tl.constexpr, WRITE_IDX: tl.constexpr):
-    """From the row's [NBP] Σ v·c and Σ v²: softmax of the logits, the mixed chunk Σ p_s·v_s (fp32,
-    stored), its partial Σ mixed². pre: the chunk's new prefix (fp32 values)."""
-    rs = tl.arange(0, NBP)
     logit = dot * rsqrt(sq / H + eps)
     logit = tl.where(rs <= NB, logit, float("-inf"))
     ex = tl.exp(logit - tl.max(logit, axis=0))
     p = ex / tl.sum(ex, axis=0)
+    pre = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
     v = _sources(bank, rs, pre, NB, WRITE_IDX)
     mixed = tl.sum(p[:, None] * v, axis=0)
     tl.store(mix_ptr + t * H + rh, mixed, mask=hm)
     tl.store(msq_ptr + t * CHP + c, tl.sum(mixed * mixed, axis=0))
-
-
-@triton.jit
-def _pre_chunk(t, rh, hm, prefix_ptr, sp, add_ptr, sa, ADD: tl.constexpr):
-    """The new prefix of row t at columns rh, not stored: bf16(prefix + delta) (ADD 1) or prefix (0)."""
-    p = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0)
-    if ADD == 1:
-        d = tl.load(add_ptr + t * sa + rh, mask=hm, other=0.0)
-        return bf16(p.to(tl.float32) + d.to(tl.float32))
-    else:
-        return p
-
-
-@triton.jit
-def ares_row_sums(t, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, H,
-                  NB: tl.constexpr, NBP: tl.constexpr, ADD: tl.constexpr, WRITE_IDX: tl.constexpr,
-                  MP: tl.constexpr, BKA: tl.constexpr):
-    """k1_ab: phase A's sums over the whole row t in one program, ([NBP] Σ v_s·c, [NBP] Σ v_s²) of
-    every source (the new prefix computed here, never read back), as two MMAs per BKA columns
-    (MP >= 16 rows): v @ [c_hi, c_lo], where c = nw·qk in fp32 is split exactly into two bf16 (a
-    product of two bf16 has at most 16 significant bits), and the Gram matrix v @ v^T, whose
-    diagonal is Σ v². Exact products, fp32 sums in the MMA's order (not phase A's chunk order)."""
-    rm = tl.arange(0, MP)
-    rk = tl.arange(0, BKA)
-    rc = tl.arange(0, 16)
-    accw = tl.zeros((MP, 16), dtype=tl.float32)
-    accg = tl.zeros((MP, MP), dtype=tl.float32)
-    for k0 in range(0, H, BKA):
-        rh = k0 + rk
-        hm = rh < H
-        vb = _bank(t, rh, hm, blocks_ptr, sbt, sbb, MP, NB, WRITE_IDX)
-        pre = _pre_chunk(t, rh, hm, prefix_ptr, sp, add_ptr, sa, ADD).to(tl.float32)
-        v = _sources(vb, rm, pre, NB, WRITE_IDX).to(tl.bfloat16)  # exact: bf16 values
-        cf = tl.load(nw_ptr + rh, mask=hm, other=0.0).to(tl.float32) * tl.load(qk_ptr + rh, mask=hm, other=0.0).to(
-            tl.float32)
-        chi = bf16(cf).to(tl.float32)
-        clo = (cf - chi).to(tl.bfloat16).to(tl.float32)  # exact: at most 8 significant bits are left
-        cw = tl.where(rc[None, :] == 0, chi[:, None], tl.where(rc[None, :] == 1, clo[:, None], 0.0)).to(tl.bfloat16)
-        accw = mma(v, cw, accw)
-        accg = mma(v, tl.trans(v), accg)
-    dotm = tl.sum(tl.where(rc[None, :] < 2, accw, 0.0), axis=1)
-    sqm = tl.sum(tl.where(rm[:, None] == rm[None, :], accg, 0.0), axis=1)
-    pick = rm[:, None] == tl.arange(0, NBP)[None, :]
-    return tl.sum(tl.where(pick, dotm[:, None], 0.0), axis=0), tl.sum(tl.where(pick, sqm[:, None], 0.0), axis=0)
 
 
 @triton.jit
@@ -497,16 +447,13 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
                 inw_ptr, x_ptr, tapd_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps,
                 NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
                 WRITE_IDX: tl.constexpr, TAPS: tl.constexpr, XC: tl.constexpr = False, LD: tl.constexpr = False,
-                NAP: tl.constexpr = 0, AB: tl.constexpr = False, MP: tl.constexpr = 16, BKA: tl.constexpr = 16):
+                NAP: tl.constexpr = 0):
     """The AttnRes role of tickets [0, 3·S·CH): A, B, C phases (see above) of (row, chunk)
     ticket % (S·CH). ctr: [.., 1 x chunks ready, .., 3 spin overflow, .., 8+t phase A of row t,
     8+S+t phase B of row t]. Phase C publishes its x chunk into ctr[1] (release). XC: no phase C
-    (tickets [0, 2·S·CH)); phase B publishes its mixed chunk into ctr[1], the consumers normalize.
-    AB (K1, ADD 0/1): no phase A (tickets [0, 2·S·CH)); each phase B program computes its row's
-    sums itself (ares_row_sums), so no wait precedes it, and phase C stores the new prefix and the
-    written bank row once the row's B programs, which read the old prefix, are done."""
+    (tickets [0, 2·S·CH)); phase B publishes its mixed chunk into ctr[1], the consumers normalize."""
     NA = S * CH
-    ph = ticket // NA + (1 if AB else 0)
+    ph = ticket // NA
     j = ticket % NA
     t = j // CH
     c = j % CH
@@ -519,28 +466,15 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
         tl.atomic_add(ctr_ptr + 8 + t, 1, sem="release", scope="gpu")
     elif ph == 1:
         bank = _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
-        if AB:
-            dot, sq = ares_row_sums(t, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, H, NB, NBP,
-                                    ADD, WRITE_IDX, MP, BKA)
-            pre = _pre_chunk(t, rh, hm, prefix_ptr, sp, add_ptr, sa, ADD).to(tl.float32)
-            _mix_chunk(t, c, rh, hm, dot, sq, pre, bank, mix_ptr, msq_ptr, H, eps, NB, NBP, CHP, WRITE_IDX)
-        else:
-            wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3, LD, NAP)
-            ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
-                     NB, NBP, CHP, WRITE_IDX)
+        wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3, LD, NAP)
+        ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
+                 NB, NBP, CHP, WRITE_IDX)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + (1 if XC else 8 + S + t), 1, sem="release", scope="gpu")
     else:
         w = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32)
-        if AB:
-            new_pre = _pre_chunk(t, rh, hm, prefix_ptr, sp, add_ptr, sa, ADD)
         wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3, LD, NAP)
         ares_norm(t, c, rh, hm, mix_ptr, msq_ptr, w, x_ptr, H, H, CH, out_eps, CHP)
-        if AB:  # the row's B programs have read the old prefix: the wait above was on all of them
-            if ADD != 0:
-                tl.store(prefix_ptr + t * sp + rh, new_pre, mask=hm)
-            if WRITE_IDX >= 0:
-                tl.store(blocks_ptr + t * sbt + WRITE_IDX * sbb + rh, new_pre, mask=hm)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 1, 1, sem="release", scope="gpu")
 
