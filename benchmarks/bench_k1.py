@@ -42,13 +42,13 @@ def pct(xs, q):
 
 def timeline(backend, sets, key1):
     """One graph replay of K1 with stamps on; per-phase times in µs from k1_mid's first start. The
-    phase programs are counted with the settings of the build (k1_hc, k1_xc, k1_gram), as the launch did."""
+    phase programs are counted with the settings of the build (k1_hc, k1_xc), as the launch did."""
     from fast.triton import _host
     from fast.triton.tuning import settings
 
     T = settings(key1.tokens)
     CH = _host._ares_dims(sets[0][1]["prefix"].shape[1], key1.nblocks, T["k1_hc"])["CH"]
-    phases = 2 if T["k1_xc"] or T["k1_gram"] else 3
+    phases = 2 if T["k1_xc"] else 3
 
     fns = [lambda s=sets[0]: backend.kda_pre(s[0], **s[1])]
     bf.graph_time(fns, reps=3)

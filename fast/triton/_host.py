@@ -126,24 +126,23 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     BV = HD // NV
     bk = _bk(H, T["k1_bk"])
     bn = T["k1_bn"]
-    gram = bool(T["k1_gram"])
-    ar = _ares_dims(H, key.nblocks, T["k1_hc"], gram)
-    sc = _scratch("k1", key, dev, (S, H, NP, NH, HD, ar["CHP"], ar["NBP"], gram), 0, lambda: dict(
+    ar = _ares_dims(H, key.nblocks, T["k1_hc"])
+    sc = _scratch("k1", key, dev, (S, H, NP, NH, HD, ar["CHP"]), 0, lambda: dict(
         x=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         proj=torch.empty(S, NP, dtype=torch.bfloat16, device=dev),
         obuf=torch.empty(S, NH, HD, dtype=torch.bfloat16, device=dev),
         ctr=torch.zeros(8 + 2 * S, dtype=torch.int32, device=dev),
         ctr_rec=torch.zeros(R * NH, dtype=torch.int32, device=dev),
         ctr_cnt=torch.zeros(32, dtype=torch.int32, device=dev),  # rec_cnt's count, a 128-byte line of its own
-        **_ares_scratch(S, H, key.nblocks, T["k1_hc"], dev, gram),
+        **_ares_scratch(S, H, key.nblocks, T["k1_hc"], dev),
         part=torch.empty(16, max(16, _p2(S)), NP, dtype=torch.float32, device=dev),  # K-split partials
         ctr_n=torch.zeros(triton_cdiv(NP, 16), dtype=torch.int32, device=dev)))
     add = 1 if delta is not None else 0
     dptr = delta if delta is not None else prefix
     NB = key.nblocks
     spl = _split(H // bk, T["k1_split"])
-    xc = bool(T["k1_xc"]) and not gram
-    grid_mid = (2 if xc or gram else 3) * S * ar["CH"] + triton_cdiv(NP, bn) * spl
+    xc = bool(T["k1_xc"])
+    grid_mid = (2 if xc else 3) * S * ar["CH"] + triton_cdiv(NP, bn) * spl
     nvidia = dev.type == "cuda" and torch.version.hip is None and _jit.HAS_GDC
     pre = bool(T["rec_pdl"]) and nvidia
     cnt = int(T["rec_cnt"])
@@ -159,7 +158,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
             BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
-            TRIG=pre, XC=xc, GRAM=gram, LD=T["poll_ld"], **_nap(dev, T), cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0,
+            TRIG=pre, XC=xc, LD=T["poll_ld"], **_nap(dev, T), cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0,
             **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
@@ -189,20 +188,17 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _ares_dims(H: int, NB: int, want: int, gram: bool = False) -> dict:
-    """AttnRes chunking: CH column chunks of width HC (<= want) per token row, BHC wide blocks; NBP
-    source rows (with gram NBP and BHC at least 16: the Gram matrix is one MMA of that least size)."""
+def _ares_dims(H: int, NB: int, want: int) -> dict:
+    """AttnRes chunking: CH column chunks of width HC (<= want) per token row."""
     HC = min(_p2(H), want)
     CH = triton_cdiv(H, HC)
     HC = triton_cdiv(H, CH)
-    return dict(HC=HC, CH=CH, CHP=_p2(CH), BHC=max(_p2(HC), 16 if gram else 1),
-                NBP=max(_p2(NB + 1), 16 if gram else 1))
+    return dict(HC=HC, CH=CH, CHP=_p2(CH), BHC=_p2(HC), NBP=_p2(NB + 1))
 
 
-def _ares_scratch(S: int, H: int, NB: int, want: int, dev, gram: bool = False) -> dict:
-    d = _ares_dims(H, NB, want, gram)
-    apw = 2 * d["NBP"] + (d["NBP"] ** 2 if gram else 0)
-    return dict(apart=torch.empty(S, d["CHP"], apw, dtype=torch.float32, device=dev),
+def _ares_scratch(S: int, H: int, NB: int, want: int, dev) -> dict:
+    d = _ares_dims(H, NB, want)
+    return dict(apart=torch.empty(S, d["CHP"], 2 * d["NBP"], dtype=torch.float32, device=dev),
                 mix=torch.empty(S, H, dtype=torch.float32, device=dev),
                 msq=torch.empty(S, d["CHP"], dtype=torch.float32, device=dev))
 

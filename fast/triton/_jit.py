@@ -354,24 +354,14 @@ def splitk(acc, part_ptr, pitch, ctr_ptr, nb, ks, S, N, n0, BN: tl.constexpr, SP
 
 # AttnRes in three ticketed phases over CH column chunks of each token row (chunk c: columns
 # [c·HC, (c+1)·HC)). Phase programs of a row meet through counters cnt[t]; every wait is on
-# programs with earlier tickets. Scratch: apart [S, CHP, _apw] (per chunk Σ v·c and Σ v² of
-# each source, with GRAM then the chunk's Gram matrix Σ v_i·v_j), mix [S, H] fp32 (the mixed row,
-# never rounded), msq [S, CHP] (Σ mixed² per chunk).
-# GRAM: two phases. Σ mixed² = pᵀGp with G summed over the chunks, so phase B knows the row's norm
-# factor as soon as it knows p, and stores x itself: no third grid-wide wait.
-
-@triton.jit
-def _apw(NBP: tl.constexpr, GRAM: tl.constexpr):
-    """Floats per (row, chunk) of apart: Σ v·c and Σ v² per source, then the Gram matrix with GRAM."""
-    return 2 * NBP + (NBP * NBP if GRAM else 0)
-
+# programs with earlier tickets. Scratch: apart [S, CHP, 2·NBP] (per chunk Σ v·c and Σ v² of
+# each source), mix [S, H] fp32 (the mixed row, never rounded), msq [S, CHP] (Σ mixed² per chunk).
 
 @triton.jit
 def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr, H, CH,
                NB: tl.constexpr, NBP: tl.constexpr, ADD: tl.constexpr,
-               WRITE_IDX: tl.constexpr, TAPS: tl.constexpr, GRAM: tl.constexpr = False):
-    """Phase A, chunk c of row t: the carry update, then per source the partial Σ v·c and Σ v²
-    (with GRAM also the chunk's Gram matrix v·vᵀ, [NBP, NBP]; NBP >= 16, the MMA's least size).
+               WRITE_IDX: tl.constexpr, TAPS: tl.constexpr):
+    """Phase A, chunk c of row t: the carry update, then per source the partial Σ v·c and Σ v².
 
     ADD 0: prefix as is; 1: prefix = bf16(prefix + delta) (K1); 2: prefix = bf16(prefix +
     bf16(d32)) (K2); 3: prefix = bf16(d32) (K2 block-write reset). WRITE_IDX >= 0 copies the
@@ -403,29 +393,21 @@ def ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, 
         tl.store(blocks_ptr + t * sbt + WRITE_IDX * sbb + rh, pre, mask=hm)
     rs = tl.arange(0, NBP)
     v = _sources(vb, rs, pre.to(tl.float32), NB, WRITE_IDX)
-    base = apart_ptr + (t * CH + c) * _apw(NBP, GRAM)
+    base = apart_ptr + (t * CH + c) * (2 * NBP)
     tl.store(base + rs, tl.sum(v * cw[None, :], axis=1))
     tl.store(base + NBP + rs, tl.sum(v * v, axis=1))
-    if GRAM:  # the sources are bf16 values: exact as MMA operands, their products exact, fp32 sums
-        vg = v.to(tl.bfloat16)
-        g = mma(vg, tl.trans(vg), tl.zeros((NBP, NBP), dtype=tl.float32))
-        tl.store(base + 2 * NBP + rs[:, None] * NBP + rs[None, :], g)
 
 
 @triton.jit
 def ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
-             NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, WRITE_IDX: tl.constexpr,
-             GRAM: tl.constexpr = False, w=None, x_ptr=None, out_eps=0.0):
+             NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, WRITE_IDX: tl.constexpr):
     """Phase B, chunk c of row t (after the row's phase A): logits from the chunk partials (summed
     in chunk order), softmax, the mixed chunk Σ p_s·v_s (fp32, stored), its partial Σ mixed².
-    bank: the chunk's bank rows (_bank), loaded before the wait (phase A never writes them).
-    GRAM: instead of mix and msq, x = bf16(mixed·rsqrt(pᵀGp/H + out_eps)·in_nw) (w: the chunk's
-    in_nw, fp32), the input norm's one rounding, with G the row's Gram partials summed."""
-    APW: tl.constexpr = _apw(NBP, GRAM)
+    bank: the chunk's bank rows (_bank), loaded before the wait (phase A never writes them)."""
     rs = tl.arange(0, NBP)
     rc = tl.arange(0, CHP)
     pm = (rc < CH)[:, None]
-    pb = apart_ptr + t * CH * APW + rc[:, None] * APW + rs[None, :]
+    pb = apart_ptr + t * CH * (2 * NBP) + rc[:, None] * (2 * NBP) + rs[None, :]
     dot = tl.sum(tl.load(pb, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
     sq = tl.sum(tl.load(pb + NBP, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
     logit = dot * rsqrt(sq / H + eps)
@@ -435,14 +417,8 @@ def ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H,
     pre = tl.load(prefix_ptr + t * sp + rh, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
     v = _sources(bank, rs, pre, NB, WRITE_IDX)
     mixed = tl.sum(p[:, None] * v, axis=0)
-    if GRAM:
-        gb = apart_ptr + t * CH * APW + rc[:, None, None] * APW + 2 * NBP + rs[None, :, None] * NBP + rs[None, None, :]
-        g = tl.sum(tl.load(gb, mask=(rc < CH)[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
-        msq = tl.sum(tl.sum(g * p[None, :], axis=1) * p, axis=0)
-        tl.store(x_ptr + t * H + rh, bf16(mixed * rsqrt(msq / H + out_eps) * w), mask=hm)
-    else:
-        tl.store(mix_ptr + t * H + rh, mixed, mask=hm)
-        tl.store(msq_ptr + t * CHP + c, tl.sum(mixed * mixed, axis=0))
+    tl.store(mix_ptr + t * H + rh, mixed, mask=hm)
+    tl.store(msq_ptr + t * CHP + c, tl.sum(mixed * mixed, axis=0))
 
 
 @triton.jit
@@ -471,12 +447,11 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
                 inw_ptr, x_ptr, tapd_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps,
                 NB: tl.constexpr, NBP: tl.constexpr, CHP: tl.constexpr, BHC: tl.constexpr, ADD: tl.constexpr,
                 WRITE_IDX: tl.constexpr, TAPS: tl.constexpr, XC: tl.constexpr = False, LD: tl.constexpr = False,
-                NAP: tl.constexpr = 0, GRAM: tl.constexpr = False):
+                NAP: tl.constexpr = 0):
     """The AttnRes role of tickets [0, 3·S·CH): A, B, C phases (see above) of (row, chunk)
     ticket % (S·CH). ctr: [.., 1 x chunks ready, .., 3 spin overflow, .., 8+t phase A of row t,
     8+S+t phase B of row t]. Phase C publishes its x chunk into ctr[1] (release). XC: no phase C
-    (tickets [0, 2·S·CH)); phase B publishes its mixed chunk into ctr[1], the consumers normalize.
-    GRAM (not with XC): no phase C; phase B stores its x chunk and publishes it into ctr[1]."""
+    (tickets [0, 2·S·CH)); phase B publishes its mixed chunk into ctr[1], the consumers normalize."""
     NA = S * CH
     ph = ticket // NA
     j = ticket % NA
@@ -486,17 +461,16 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
     hm = (tl.arange(0, BHC) < HC) & (rh < H)
     if ph == 0:
         ares_carry(t, c, rh, hm, prefix_ptr, sp, add_ptr, sa, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr, apart_ptr, tapd_ptr,
-                   H, CH, NB, NBP, ADD, WRITE_IDX, TAPS, GRAM)
+                   H, CH, NB, NBP, ADD, WRITE_IDX, TAPS)
         tl.debug_barrier()
         tl.atomic_add(ctr_ptr + 8 + t, 1, sem="release", scope="gpu")
     elif ph == 1:
         bank = _bank(t, rh, hm, blocks_ptr, sbt, sbb, NBP, NB, WRITE_IDX)
-        wb = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32) if GRAM else None
         wait_ge(ctr_ptr + 8 + t, CH, spin, ctr_ptr + 3, LD, NAP)
         ares_mix(t, c, rh, hm, prefix_ptr, sp, bank, apart_ptr, mix_ptr, msq_ptr, H, CH, eps,
-                 NB, NBP, CHP, WRITE_IDX, GRAM, wb, x_ptr, out_eps)
+                 NB, NBP, CHP, WRITE_IDX)
         tl.debug_barrier()
-        tl.atomic_add(ctr_ptr + (1 if XC or GRAM else 8 + S + t), 1, sem="release", scope="gpu")
+        tl.atomic_add(ctr_ptr + (1 if XC else 8 + S + t), 1, sem="release", scope="gpu")
     else:
         w = tl.load(inw_ptr + rh, mask=hm, other=0.0).to(tl.float32)
         wait_ge(ctr_ptr + 8 + S + t, CH, spin, ctr_ptr + 3, LD, NAP)

@@ -43,8 +43,8 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                   SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
                   PDL: tl.constexpr = False, TRIG: tl.constexpr = False, XC: tl.constexpr = False, tl_ptr=None,
                   TL: tl.constexpr = False, LD: tl.constexpr = False, cnt_ptr=None, CNT: tl.constexpr = False,
-                  NAP: tl.constexpr = 0, GRAM: tl.constexpr = False):
-    """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,) (2·S·CH with XC or GRAM): steps 1-4 in one launch.
+                  NAP: tl.constexpr = 0):
+    """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
     Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
     (row, column chunk) (_jit.ares_phases); the others wait until all S·CH x chunks are
@@ -57,11 +57,11 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
     pdl_trigger(TRIG)
     ticket = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     stamp(tl_ptr, ticket * 4, TL)
-    NA3 = (2 if XC or GRAM else 3) * S * CH
+    NA3 = (2 if XC else 3) * S * CH
     if ticket < NA3:
         ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, nw_ptr, qk_ptr,
                     inw_ptr, x_ptr, x_ptr, apart_ptr, mix_ptr, msq_ptr, H, HC, CH, eps, out_eps, NB, NBP, CHP, BHC,
-                    ADD, WRITE_IDX, False, XC, LD, NAP, GRAM)
+                    ADD, WRITE_IDX, False, XC, LD, NAP)
         stamp(tl_ptr, ticket * 4 + 1, TL)
     else:
         u = ticket - NA3

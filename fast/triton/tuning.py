@@ -21,8 +21,6 @@ TUNE: dict = dict(
     k1_bn=32, k1_bk=128, k1_warps=2, k1_stages=6,
     k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
-    k1_gram=True,    # AttnRes in two phases: phase A also sums each chunk's Gram matrix G of the sources, phase B takes
-                     # Σ mixed² as pᵀGp and stores x (another fp32 order of the same sum; not bit-equal to phase C)
     k1_xc=False,     # no AttnRes phase C, the in_proj items normalize x per block (same bits): H100 1x1 K1 63.2 vs 55.1 µs (v11)
     # K1 launch 2: conv, gates, recurrence, gated norm
     k1_nv=16,        # programs per (request, head) in the recurrence (value-row split), halved while
@@ -130,7 +128,7 @@ def settings(rows: int) -> dict:
 # The knobs of each launch (call, index of the launch within the call): a launch's time
 # depends on its own knobs only, so the tuning pass picks each group's best independently.
 GROUPS: dict = {
-    ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_gram", "k1_xc"),
+    ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc"),
     ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_pdl",
                 "rec_cnt", "rec_occ"),
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
