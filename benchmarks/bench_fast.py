@@ -155,7 +155,8 @@ def clone(kw):
 class Only:
     """Context: run only the launches whose index (within one backend call) is in `keep`.
     Scratch left by an earlier full call keeps a single launch well defined. A launch alone
-    runs with CNT off (TUNE rec_cnt): its partner would never raise, or never reset, the count."""
+    runs with CNT and RST off (TUNE rec_cnt, k1_rst): its partner would never raise, or never
+    reset, the counts."""
 
     def __init__(self, keep):
         from fast.triton import _host
@@ -168,7 +169,7 @@ class Only:
     def __enter__(self):
         def f(kernel, grid, *a, **k):
             if self.i in self.keep:
-                self.orig(kernel, grid, *a, **(dict(k, CNT=False) if "CNT" in k else k))
+                self.orig(kernel, grid, *a, **{n: (False if n in ("CNT", "RST") else v) for n, v in k.items()})
             self.i += 1
         self.h._launch = f
         return self

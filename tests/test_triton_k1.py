@@ -205,19 +205,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_cnt"])
+@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_cnt", "k1_part", "k1_rst"])
 def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     """k1_xc (no AttnRes phase C: the in_proj items normalize x block by block, the rows' factor
     summed in the same chunk order), rec_flat (the token chain with q/k in the state's layout,
     the state-independent work first), rec_lean (q/k norms over [1, HD] rows, o stored after
     the chain) and rec_hoist (every token's conv outputs before the chain, the gated norm's g2
     rows and the q/k windows before its stores), rec_ct (the conv windows as [channels,
-    positions] tiles) and rec_cnt (the recurrence's wait a poll of stored in_proj row blocks),
-    flipped from their defaults, give the default launch's bits, every tap included, match the
-    reference and leave the backend healthy."""
+    positions] tiles), rec_cnt (the recurrence's wait a poll of stored in_proj row blocks),
+    k1_part (in_proj's K-split partials summed where the recurrence reads them) and k1_rst
+    (k1_mid's counters reset by the recurrence), flipped from their defaults, give the default
+    launch's bits, every tap included, match the reference and leave the backend healthy."""
     from fast.triton.tuning import TUNE
 
     tune.update(k1_nv=2, k1_hc=48)
+    if knob in ("k1_part", "k1_rst"):
+        tune.update(k1_bk=32)  # 4 K blocks: in_proj split in 2
+    if knob == "rec_cnt":
+        tune.update(k1_part=False, k1_rst=False)  # rec_cnt's poll does not combine with them
     key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
     _, b, _, tb = _run(backend, key, kw)
     tune.update(**{knob: not TUNE[knob]})
@@ -228,3 +233,53 @@ def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     for n in tb:
         assert torch.equal(_bits(tc[n]), _bits(tb[n])), f"tap {n}"
     assert backend.health() == []  # no handshake counter left behind, no wait gave up
+
+
+@pytest.mark.parametrize("over", [dict(k1_split=4, rec_flat=True), dict(k1_split=4, rec_gt=False, rec_hoist=False),
+                                  dict(k1_split=2, rec_lean=False, rec_ct=False)])
+def test_k1_part_and_rst_same_bits(backend, tune, k1_case, over):
+    """k1_part and k1_rst together, over a K split of 2 and 4 (the sum's order shows from 3 partials
+    on) and every path of the recurrence that reads in_proj rows (the flat chain's scalar beta, the
+    gates' [LP, HD] MMA, the unhoisted windows and g2 rows), give the plain launch's bits, taps
+    included, twice in a row (the second call runs on the counters the first one's recurrence reset)."""
+    tune.update(k1_nv=2, k1_hc=48, k1_bk=32, **over)
+    key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
+    _, b, _, tb = _run(backend, key, kw)
+    tune.update(k1_part=True, k1_rst=True)
+    for _ in range(2):
+        a, c, ta, tc = _run(backend, key, kw)
+        _check(key, kw, a, c, ta, tc)
+        for n in ("prefix", "blocks", "conv_state", "rstate", "core_out"):
+            assert torch.equal(_bits(c[n]), _bits(b[n])), n
+        for n in tb:
+            assert torch.equal(_bits(tc[n]), _bits(tb[n])), f"tap {n}"
+        assert backend.health() == []
+
+
+def test_k1_rst_counters_survive_a_failed_recurrence_launch(backend, tune, k1_case, monkeypatch):
+    """With k1_rst the recurrence resets k1_mid's counters: a recurrence launch that raises leaves
+    them reset by the host, so the next call still matches the plain launch; rec_cnt with k1_part
+    or k1_rst is refused, naming both."""
+    from fast.triton import _host, _k1
+
+    tune.update(k1_nv=2, k1_hc=48, k1_bk=32)
+    key, kw = k1_case(layer=2, R=2, L=2, with_delta=True)
+    _, b, _, _ = _run(backend, key, kw)
+    tune.update(k1_part=True, k1_rst=True)
+    real = _host._launch
+
+    def boom(kernel, grid, *a, **k):
+        if kernel is _k1.k1_rec_kernel:
+            raise RuntimeError("planted launch failure")
+        return real(kernel, grid, *a, **k)
+
+    monkeypatch.setattr(_host, "_launch", boom)
+    with pytest.raises(RuntimeError, match="planted"):
+        backend.kda_pre(key, **clone(kw))
+    monkeypatch.setattr(_host, "_launch", real)
+    assert backend.health() == []
+    _, c, _, _ = _run(backend, key, kw)
+    assert torch.equal(_bits(c["core_out"]), _bits(b["core_out"]))
+    tune.update(rec_cnt=1)
+    with pytest.raises(ValueError, match="rec_cnt.*k1_part or k1_rst"):
+        backend.kda_pre(key, **clone(kw))

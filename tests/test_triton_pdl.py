@@ -63,7 +63,9 @@ def test_pdl_changes_no_bit(fmt, mode):
 def test_rec_pdl_and_stamps_change_no_bit():
     """TUNE rec_pdl (the recurrence as k1_mid's programmatic dependent, its state and w_fb loaded
     before the wait), with rec_cnt (that wait a poll of stored in_proj row blocks; with rec_occ
-    under a register cap too), and the timeline build (stamps) give the plain launch's bits over
+    under a register cap too), k1_part and k1_rst (in_proj's K-split partials summed by the
+    recurrence, k1_mid's counters reset by it; with and without rec_pdl),
+    and the timeline build (stamps) give the plain launch's bits over
     several K1 steps and leave the backend healthy; every stamped program has start <= after-wait
     <= end."""
     from fast.triton import BACKEND, _host, _jit
@@ -88,8 +90,12 @@ def test_rec_pdl_and_stamps_change_no_bit():
         TUNE.update(saved, rec_pdl=False, stamps=False)
         _host.clear_scratch()
         off = steps()
-        for over in (dict(rec_pdl=True, rec_cnt=0, stamps=False), dict(rec_pdl=True, rec_cnt=1, stamps=False),
-                     dict(rec_pdl=True, rec_cnt=2, stamps=False), dict(rec_pdl=True, rec_cnt=1, rec_occ=3, stamps=False),
+        cnt = dict(k1_part=False, k1_rst=False)  # rec_cnt's poll does not combine with them
+        for over in (dict(rec_pdl=True, rec_cnt=0, stamps=False), dict(rec_pdl=True, rec_cnt=1, stamps=False, **cnt),
+                     dict(rec_pdl=True, rec_cnt=2, stamps=False, **cnt),
+                     dict(rec_pdl=True, rec_cnt=1, rec_occ=3, stamps=False, **cnt),
+                     dict(rec_pdl=True, k1_part=True, k1_rst=True, rec_occ=3, stamps=False),
+                     dict(rec_pdl=False, k1_part=True, k1_rst=True, stamps=False),
                      dict(rec_pdl=True, stamps=True)):
             TUNE.update(saved, **over)
             _host.clear_scratch()

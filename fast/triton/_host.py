@@ -146,6 +146,12 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     nvidia = dev.type == "cuda" and torch.version.hip is None and _jit.HAS_GDC
     pre = bool(T["rec_pdl"]) and nvidia
     cnt = int(T["rec_cnt"])
+    ps = spl if T["k1_part"] and spl > 1 else 0  # partials summed by the recurrence (k1_mid PART)
+    rst = bool(T["k1_rst"])
+    if cnt and (ps or rst):
+        raise ValueError("TUNE rec_cnt cannot be combined with k1_part or k1_rst: its poll replaces the wait for "
+                         "k1_mid's completion that both rely on")
+    SP = max(16, _p2(S))
     stamps = {}
     if T["stamps"] and nvidia:  # timeline build: %globaltimer per program (benchmarks/bench_fast.py --timeline)
         for n, size in (("tl_mid", grid_mid * 4), ("tl_rec", R * NH * NV * 4)):
@@ -156,10 +162,10 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
             dptr, dptr.stride(0), blocks, blocks.stride(0), blocks.stride(1), ares_nw, ares_qk, in_nw, sc["x"],
             sc["apart"], sc["mix"], sc["msq"], w_in, w_in.stride(0), sc["proj"], sc["part"], sc["ctr_n"], S, H,
             ar["HC"], ar["CH"], NP, key.eps, key.out_eps, T["spin"], NB=NB, NBP=ar["NBP"], CHP=ar["CHP"],
-            BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=max(16, _p2(S)), SPLIT=spl,
+            BHC=ar["BHC"], ADD=add, WRITE_IDX=key.write_idx, BN=bn, BK=bk, SP=SP, SPLIT=spl,
             STAG=T["stag"], SWAP=T["k1_swap"], TP=_p2(S), num_warps=T["k1_warps"], num_stages=T["k1_stages"],
             TRIG=pre, XC=xc, LD=T["poll_ld"], **_nap(dev, T), cnt_ptr=sc["ctr_cnt"], CNT=cnt > 0,
-            **stamps.get("mid", {}), **_pdl(dev, T))
+            PART=ps > 0, RST=rst, **stamps.get("mid", {}), **_pdl(dev, T))
     tp = taps is not None
     if tp:
         tconv = torch.zeros(S, 3 * P, dtype=torch.bfloat16, device=dev)
@@ -169,16 +175,25 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
         tconv = tgate = tbeta = sc["obuf"]
     cs = conv_state
     rsd = rstate
-    _launch(_k1.k1_rec_kernel, (R, NH, NV), sc["proj"], NP, conv_w, conv_w.stride(0), cs, cs.stride(0), cs.stride(1),
-            cs.stride(2), w_fb, w_fb.stride(0), a_log, dt_bias, on_w, rsd, rsd.stride(0), rsd.stride(1),
-            rsd.stride(2), rsd.stride(3), st_idx, st_idx.stride(0), st_idx.stride(1), num_acc, core_out,
-            core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
-            L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
-            GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], HOIST=T["rec_hoist"] and L > 1,
-            CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, cnt_ptr=sc["ctr_cnt"],
-            nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"], **_nap(dev, T),
-            **_occ(dev, T["rec_occ"], T["rec_warps"]),
-            **stamps.get("rec", {}), **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
+    src = sc["part"] if ps else sc["proj"]
+    try:
+        _launch(_k1.k1_rec_kernel, (R, NH, NV), src, NP, conv_w, conv_w.stride(0), cs, cs.stride(0), cs.stride(1),
+                cs.stride(2), w_fb, w_fb.stride(0), a_log, dt_bias, on_w, rsd, rsd.stride(0), rsd.stride(1),
+                rsd.stride(2), rsd.stride(3), st_idx, st_idx.stride(0), st_idx.stride(1), num_acc, core_out,
+                core_out.stride(0), sc["obuf"], sc["ctr_rec"], tconv, tgate, tbeta, key.lower_bound, key.onorm_eps,
+                L=L, W=W, NH=NH, HD=HD, RANK=RANK, BV=BV, NV=NV, SEQP=_p2(W - 2 + L), LP=max(16, _p2(L)), TAPS=tp,
+                GT=T["rec_gt"], FLAT=T["rec_flat"], PRE=pre, LEAN=T["rec_lean"], HOIST=T["rec_hoist"] and L > 1,
+                CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, cnt_ptr=sc["ctr_cnt"],
+                nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"], **_nap(dev, T),
+                **_occ(dev, T["rec_occ"], T["rec_warps"]), ppl=SP * NP, PS=ps, mctr_ptr=sc["ctr"], S=S, TPM=_p2(S),
+                RST=rst, **stamps.get("rec", {}),
+                **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
+    except BaseException:
+        if rst:  # k1_mid's counters wait for this launch's reset
+            sc["ctr"].zero_()
+        raise
+    if tp and ps:  # the in_proj tap: the partials summed as the recurrence sums them
+        _launch(_k1.k1_proj_kernel, (triton_cdiv(NP, 64),), sc["part"], SP * NP, sc["proj"], S, NP, PS=ps, SP=SP, BN=64)
     if tp:
         taps.update(x=sc["x"].clone(), proj=sc["proj"].clone(), conv_out=tconv, gate=tgate, beta=tbeta,
                     o=sc["obuf"].clone())

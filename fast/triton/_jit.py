@@ -328,11 +328,26 @@ def gemv(x_ptr, sx, S, w_ptr, sw, n0, N, k_lo, nk, koff, BN: tl.constexpr, BK: t
 
 
 @triton.jit
+def ksum(part_ptr, off, mask, plane, SPLIT: tl.constexpr):
+    """fp32 sum, in split order from zero, of the SPLIT K-split partials at off of part planes
+    `plane` elements apart (written by other programs or an earlier launch: read past L1). One
+    order for every reader, so each gets the bits of the others."""
+    tot = tl.zeros(off.shape, dtype=tl.float32)
+    for k in tl.static_range(SPLIT):
+        if mask is None:
+            tot += tl.load(part_ptr + k * plane + off, cache_modifier=".cg")
+        else:
+            tot += tl.load(part_ptr + k * plane + off, mask=mask, other=0.0, cache_modifier=".cg")
+    return tot
+
+
+@triton.jit
 def splitk(acc, part_ptr, pitch, ctr_ptr, nb, ks, S, N, n0, BN: tl.constexpr, SP: tl.constexpr,
-           SPLIT: tl.constexpr):
+           SPLIT: tl.constexpr, HAND: tl.constexpr = True):
     """K-split reduction of one output block (columns n0.. of N): (is the caller the block's
-    last program, the fp32 sum of all SPLIT partials in split order).
-    part: [SPLIT, SP, pitch] fp32."""
+    last program, the fp32 sum of all SPLIT partials in split order, ksum).
+    part: [SPLIT, SP, pitch] fp32. HAND off: the partials are only stored (a later launch sums
+    them with ksum), and no program is the last."""
     if SPLIT == 1:
         return True, acc
     else:
@@ -340,16 +355,17 @@ def splitk(acc, part_ptr, pitch, ctr_ptr, nb, ks, S, N, n0, BN: tl.constexpr, SP
         rn = n0 + tl.arange(0, BN)
         om = (rs[:, None] < S) & (rn[None, :] < N)
         tl.store(part_ptr + (ks * SP + rs[:, None]) * pitch + rn[None, :], acc, mask=om)
-        tl.debug_barrier()
-        last = tl.atomic_add(ctr_ptr + nb, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-        tot = tl.zeros((SP, BN), dtype=tl.float32)
-        if last:
-            tl.atomic_xchg(ctr_ptr + nb, 0, sem="relaxed", scope="gpu")
+        if HAND:
             tl.debug_barrier()
-            for k in tl.static_range(SPLIT):
-                tot += tl.load(part_ptr + (k * SP + rs[:, None]) * pitch + rn[None, :], mask=om, other=0.0,
-                               cache_modifier=".cg")
-        return last, tot
+            last = tl.atomic_add(ctr_ptr + nb, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            tot = tl.zeros((SP, BN), dtype=tl.float32)
+            if last:
+                tl.atomic_xchg(ctr_ptr + nb, 0, sem="relaxed", scope="gpu")
+                tl.debug_barrier()
+                tot = ksum(part_ptr, rs[:, None] * pitch + rn[None, :], om, SP * pitch, SPLIT)
+            return last, tot
+        else:
+            return False, acc
 
 
 # AttnRes in three ticketed phases over CH column chunks of each token row (chunk c: columns
@@ -480,18 +496,25 @@ def ares_phases(ticket, ctr_ptr, S, spin, prefix_ptr, sp, add_ptr, sa, blocks_pt
 
 
 @triton.jit
+def ticket_reset(ctr_ptr, S, TP: tl.constexpr):
+    """A ticketed launch's counters back to 0 for the next launch (ticket, x chunks ready, router
+    blocks, the per-row phase counts; then done): by its last program, or by a launch that
+    runs after it has completed."""
+    tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctr_ptr + 1, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctr_ptr + 4, 0, sem="relaxed", scope="gpu")
+    rt = tl.arange(0, 2 * TP)
+    tl.store(ctr_ptr + 8 + rt, tl.zeros((2 * TP,), dtype=tl.int32), mask=rt < 2 * S)
+    tl.debug_barrier()
+    tl.atomic_xchg(ctr_ptr + 2, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def ticket_done(ctr_ptr, total, S, TP: tl.constexpr):
-    """Count this program done; the last of `total` resets the launch's counters (ticket, x
-    chunks ready, done, router blocks, the per-row phase counts) for the next launch."""
+    """Count this program done; the last of `total` resets the launch's counters (ticket_reset)."""
     tl.debug_barrier()
     if tl.atomic_add(ctr_ptr + 2, 1, sem="acq_rel", scope="gpu") == total - 1:
-        tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctr_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctr_ptr + 4, 0, sem="relaxed", scope="gpu")
-        rt = tl.arange(0, 2 * TP)
-        tl.store(ctr_ptr + 8 + rt, tl.zeros((2 * TP,), dtype=tl.int32), mask=rt < 2 * S)
-        tl.debug_barrier()
-        tl.atomic_xchg(ctr_ptr + 2, 0, sem="relaxed", scope="gpu")
+        ticket_reset(ctr_ptr, S, TP)
 
 
 @triton.jit

@@ -5,8 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import (ares_phases, bf16, gemv, mma, msq_row, pdl_enter, pdl_trigger, pdl_wait, rsqrt, sigmoid, splitk,
-                   stamp, ticket_done, wait_ge)
+from ._jit import (ares_phases, bf16, gemv, ksum, mma, msq_row, pdl_enter, pdl_trigger, pdl_wait, rsqrt, sigmoid,
+                   splitk, stamp, ticket_done, ticket_reset, wait_ge)
 
 # ctr layout of a ticketed launch: [ticket, x chunks ready, programs done, spin overflow, router blocks done
 # (K2), -, -, -, phase-A count per row (S), phase-B count per row (S)]. K1's rec_cnt count has its own
@@ -43,7 +43,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                   SPLIT: tl.constexpr, STAG: tl.constexpr, SWAP: tl.constexpr, TP: tl.constexpr,
                   PDL: tl.constexpr = False, TRIG: tl.constexpr = False, XC: tl.constexpr = False, tl_ptr=None,
                   TL: tl.constexpr = False, LD: tl.constexpr = False, cnt_ptr=None, CNT: tl.constexpr = False,
-                  NAP: tl.constexpr = 0):
+                  NAP: tl.constexpr = 0, PART: tl.constexpr = False, RST: tl.constexpr = False):
     """Grid (3·S·CH + cdiv(NP, BN)·SPLIT,): steps 1-4 in one launch.
 
     Programs take a ticket (their start order). Tickets < 3·S·CH run the AttnRes phases of
@@ -52,6 +52,10 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
     with earlier tickets, so it ends (also on ROCm, also in the interpreter, which runs
     programs in order). The last program resets the counters.
     CNT: each in_proj row block, once stored, raises cnt[0] (release) for k1_rec's wait.
+    PART: in_proj's K-split partials are only stored; k1_rec sums them (_pj), so no program waits
+    on a split handshake and proj is not written. RST: no program counts itself done; k1_rec
+    resets the counters once this launch has completed (the last in_proj program then exits
+    right after its stores).
     """
     pdl_enter(PDL)
     pdl_trigger(TRIG)
@@ -78,7 +82,7 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                        SWAP, True, xr, inw_ptr, x_ptr, tl.where(nb == 0, 1, 0))
         else:
             acc = gemv(x_ptr, H, S, w_ptr, sw, n0, NP, ks * nk * BK, nk, (ticket * STAG) % nk, BN, BK, SP, True, SWAP)
-        last, tot = splitk(acc, part_ptr, NP, ctrn_ptr, nb, ks, S, NP, n0, BN, SP, SPLIT)
+        last, tot = splitk(acc, part_ptr, NP, ctrn_ptr, nb, ks, S, NP, n0, BN, SP, SPLIT, not PART)
         if last:
             rs = tl.arange(0, SP)
             rn = n0 + tl.arange(0, BN)
@@ -88,35 +92,63 @@ def k1_mid_kernel(ctr_ptr, prefix_ptr, sp, delta_ptr, sd, blocks_ptr, sbt, sbb, 
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
     stamp(tl_ptr, ticket * 4 + 2, TL)
-    ticket_done(ctr_ptr, NA3 + tl.cdiv(NP, BN) * SPLIT, S, TP)
+    if not RST:
+        ticket_done(ctr_ptr, NA3 + tl.cdiv(NP, BN) * SPLIT, S, TP)
 
 
 @triton.jit
-def _seq(POS: tl.constexpr, W: tl.constexpr, c, csb, csc, csp, a, proj_ptr, spj, row0):
+def _pj(proj_ptr, off, mask, ppl, PS: tl.constexpr):
+    """in_proj values (bf16) at off of [S, NP]: as k1_mid stored them (PS 0), or summed here from its
+    PS K-split partials (fp32 planes ppl apart at proj_ptr, k1_mid PART) and rounded once: the bits
+    k1_mid's last split program would have stored."""
+    if PS:
+        return bf16(ksum(proj_ptr, off, mask, ppl, PS))
+    elif mask is None:
+        return tl.load(proj_ptr + off)
+    else:
+        return tl.load(proj_ptr + off, mask=mask, other=0.0)
+
+
+@triton.jit
+def k1_proj_kernel(part_ptr, ppl, proj_ptr, S, NP, PS: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr):
+    """Grid (cdiv(NP, BN),): proj[:S, n0:n0+BN] = _pj of k1_mid's K-split partials, for the taps of
+    a PART launch (the recurrence sums the same partials itself)."""
+    rs = tl.arange(0, SP)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = (rs[:, None] < S) & (rn[None, :] < NP)
+    off = rs[:, None] * NP + rn[None, :]
+    tl.store(proj_ptr + off, _pj(part_ptr, off, m, ppl, PS), mask=m)
+
+
+@triton.jit
+def _seq(POS: tl.constexpr, W: tl.constexpr, c, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS: tl.constexpr):
     """seq[POS] of channels c (fp32): window entry POS of the conv state, then the new in_proj rows."""
     if POS < W - 1:
         v = tl.load(csb + c * csc + (a - 1 + POS) * csp)
     else:
-        v = tl.load(proj_ptr + (row0 + POS - (W - 1)) * spj + c)
+        v = _pj(proj_ptr, (row0 + POS - (W - 1)) * spj + c, None, ppl, PS)
     return v.to(tl.float32)
 
 
 @triton.jit
-def _conv_y(j: tl.constexpr, W: tl.constexpr, c, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0):
+def _conv_y(j: tl.constexpr, W: tl.constexpr, c, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl,
+            PS: tl.constexpr):
     """bf16(silu(Σ_q conv_w[c, q]·seq[j+q])) as fp32 values. Each product rounds to fp32 (inexact for an
     fp32 conv_w), then the sum in q order: the launch is compiled without FMA contraction."""
     y = tl.zeros(c.shape, dtype=tl.float32)
     for q in tl.static_range(W):
-        y += tl.load(cw_ptr + c * scw + q).to(tl.float32) * _seq(j + q, W, c, csb, csc, csp, a, proj_ptr, spj, row0)
+        y += tl.load(cw_ptr + c * scw + q).to(tl.float32) * _seq(j + q, W, c, csb, csc, csp, a, proj_ptr, spj, row0,
+                                                                 ppl, PS)
     return bf16(y / (1.0 + tl.exp(-y))).to(tl.float32)
 
 
 @triton.jit
-def _conv_qkv(j: tl.constexpr, W: tl.constexpr, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0):
+def _conv_qkv(j: tl.constexpr, W: tl.constexpr, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl,
+              PS: tl.constexpr):
     """(q, k, v) conv outputs of token j (_conv_y of the head's q/k channels and the program's v rows)."""
-    return (_conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
-            _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),
-            _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0))
+    return (_conv_y(j, W, cq, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS),
+            _conv_y(j, W, ck, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS),
+            _conv_y(j, W, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS))
 
 
 @triton.jit
@@ -135,14 +167,14 @@ def _norm_o(t, obuf_ptr, h, kk, P: tl.constexpr, HD: tl.constexpr):
 
 
 @triton.jit
-def _norm_g(t, proj_ptr, spj, h, kk, P: tl.constexpr, HD: tl.constexpr):
+def _norm_g(t, proj_ptr, spj, h, kk, P: tl.constexpr, HD: tl.constexpr, ppl, PS: tl.constexpr):
     """The gated norm's g2 in_proj row of token row t (fp32)."""
-    return tl.load(proj_ptr + t * spj + 3 * P + h * HD + kk).to(tl.float32)
+    return _pj(proj_ptr, t * spj + 3 * P + h * HD + kk, None, ppl, PS).to(tl.float32)
 
 
 @triton.jit
 def _carry_load(c, csb, csc, csp, a, proj_ptr, spj, row0, W: tl.constexpr, L: tl.constexpr, SEQP: tl.constexpr,
-                CT: tl.constexpr):
+                CT: tl.constexpr, ppl, PS: tl.constexpr):
     """seq[1:W-1+L] of channels c (bf16 as stored), the new conv window: [channels, SEQP] if CT, else
     [SEQP, channels]."""
     rp = tl.arange(0, SEQP)
@@ -151,13 +183,13 @@ def _carry_load(c, csb, csc, csp, a, proj_ptr, spj, row0, W: tl.constexpr, L: tl
     inwin = src < W - 1
     if CT:
         v1 = tl.load(csb + c[:, None] * csc + (a - 1 + src)[None, :] * csp, mask=(inwin & keep)[None, :], other=0.0)
-        v2 = tl.load(proj_ptr + (row0 + src - (W - 1))[None, :] * spj + c[:, None],
-                     mask=(keep & (src >= W - 1))[None, :], other=0.0)
+        v2 = _pj(proj_ptr, (row0 + src - (W - 1))[None, :] * spj + c[:, None], (keep & (src >= W - 1))[None, :], ppl,
+                 PS)
         return tl.where(inwin[None, :], v1, v2)
     else:
         v1 = tl.load(csb + c[None, :] * csc + (a - 1 + src)[:, None] * csp, mask=(inwin & keep)[:, None], other=0.0)
-        v2 = tl.load(proj_ptr + (row0 + src - (W - 1))[:, None] * spj + c[None, :],
-                     mask=(keep & (src >= W - 1))[:, None], other=0.0)
+        v2 = _pj(proj_ptr, (row0 + src - (W - 1))[:, None] * spj + c[None, :], (keep & (src >= W - 1))[:, None], ppl,
+                 PS)
         return tl.where(inwin[:, None], v1, v2)
 
 
@@ -180,7 +212,7 @@ def _carry_store(val, c, csb, csc, csp, do_write, W: tl.constexpr, L: tl.constex
 def _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots, proj_ptr, spj, cw_ptr, scw, csb,
                 csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
                 L: tl.constexpr, W: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, RANK: tl.constexpr,
-                BV: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr, GT: tl.constexpr):
+                BV: tl.constexpr, LP: tl.constexpr, TAPS: tl.constexpr, GT: tl.constexpr, ppl, PS: tl.constexpr):
     """The token chain with everything that does not depend on the state computed first, per token
     (tuples): q/k conv outputs as [BV, HD] tiles in the state's layout (every row the same
     channels; their norms reduce within a warp), v, decay, beta and the state slot. The chain is
@@ -197,8 +229,8 @@ def _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots
     ss = ()
     for j in tl.static_range(L):
         t = row0 + j
-        qc, kc, vc = _conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
-        beta = sigmoid(tl.load(proj_ptr + t * spj + 4 * P + RANK + h).to(tl.float32))
+        qc, kc, vc = _conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS)
+        beta = sigmoid(_pj(proj_ptr, t * spj + 4 * P + RANK + h, None, ppl, PS).to(tl.float32))
         qs = qs + ((zb + qc.to(tl.bfloat16)[None, :]),)  # exact: the conv outputs are bf16 values
         ks = ks + ((zb + kc.to(tl.bfloat16)[None, :]),)
         vs = vs + (vc,)
@@ -240,7 +272,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   PRE: tl.constexpr = False, LEAN: tl.constexpr = False, HOIST: tl.constexpr = False,
                   CT: tl.constexpr = False, tl_ptr=None,
                   TL: tl.constexpr = False, cnt_ptr=None, nblk=0, spin=0, CNT: tl.constexpr = False,
-                  LD: tl.constexpr = False, NAP: tl.constexpr = 0):
+                  LD: tl.constexpr = False, NAP: tl.constexpr = 0, ppl=0, PS: tl.constexpr = 0, mctr_ptr=None,
+                  S=0, TPM: tl.constexpr = 1, RST: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
@@ -261,6 +294,9 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     started before a dependent program does (k1_mid triggers at its start), so the poll ends.
     With PRE the grid wait moves to the end: this launch completes after k1_mid, as the next
     launch's wait on it assumes.
+    PS > 0 (k1_mid PART): proj_ptr holds k1_mid's PS K-split partials (planes ppl apart), summed
+    where they are read (_pj). RST (k1_mid RST): program (0, 0, 0), at its end, resets k1_mid's
+    S-row counters at mctr_ptr (ticket_reset).
     """
     if not PRE:
         pdl_enter(PDL)
@@ -303,37 +339,37 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     else:
         pdl_wait(PRE)
     stamp(tl_ptr, tli + 1, TL)
-    carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)  # before the chain: no wait after it
+    carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT, ppl, PS)  # before the chain: no wait after it
     # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
     if GT:  # [HD, LP]: the MMA's layout stays off the state (its [LP, HD] form made the state change layout per token)
-        fat = tl.load(proj_ptr + (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], mask=(rl < L)[None, :], other=0.0)
+        fat = _pj(proj_ptr, (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], (rl < L)[None, :], ppl, PS)
         g1 = bf16(mma(wfb, fat, tl.zeros((HD, LP), dtype=tl.float32))).to(tl.float32)
         gate_all = lower_bound * sigmoid(A * (g1 + dtb))  # [HD, LP]
     else:
-        fa = tl.load(proj_ptr + (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], mask=(rl < L)[:, None], other=0.0)
+        fa = _pj(proj_ptr, (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], (rl < L)[:, None], ppl, PS)
         g1 = bf16(mma(fa, wfb, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
         gate_all = lower_bound * sigmoid(A * (g1 + dtb))  # [LP, HD]
-    beta_all = sigmoid(tl.load(proj_ptr + (row0 + rl) * spj + 4 * P + RANK + h, mask=rl < L, other=0.0).to(tl.float32))
+    beta_all = sigmoid(_pj(proj_ptr, (row0 + rl) * spj + 4 * P + RANK + h, rl < L, ppl, PS).to(tl.float32))
     if HOIST:  # what the head's last program needs after the counter, loaded before the chain's stores
-        carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
-        carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
+        carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT, ppl, PS)
+        carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT, ppl, PS)
         g2s = ()
         for j in tl.static_range(L):
-            g2s = g2s + (_norm_g(row0 + j, proj_ptr, spj, h, kk, P, HD),)
+            g2s = g2s + (_norm_g(row0 + j, proj_ptr, spj, h, kk, P, HD, ppl, PS),)
     if FLAT:
         _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots, proj_ptr, spj, cw_ptr, scw,
                     csb, csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
-                    L, W, NH, HD, RANK, BV, LP, TAPS, GT)
+                    L, W, NH, HD, RANK, BV, LP, TAPS, GT, ppl, PS)
     ob = tl.zeros((BV, LP), dtype=tl.float32)
     convs = ()
     for j in tl.static_range(L if HOIST and not FLAT else 0):
-        convs = convs + (_conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0),)
+        convs = convs + (_conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS),)
     for j in tl.static_range(0 if FLAT else L):
         t = row0 + j
         if HOIST:
             qc, kc, vc = convs[j]
         else:
-            qc, kc, vc = _conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0)
+            qc, kc, vc = _conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS)
         gate = _gate_of(j, gate_all, rl, GT)
         decay = tl.exp(gate)
         beta = tl.sum(tl.where(rl == j, beta_all, 0.0), axis=0)
@@ -379,8 +415,8 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
             tl.atomic_xchg(ctr_ptr + r * NH + h, 0, sem="relaxed", scope="gpu")
             tl.debug_barrier()
         if not HOIST:  # the q/k windows' loads in flight with the gated norm's; stored after it
-            carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
-            carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT)
+            carry_q = _carry_load(cq, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT, ppl, PS)
+            carry_k = _carry_load(ck, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT, ppl, PS)
         onw = tl.load(onw_ptr + kk).to(tl.float32)
         ohs = ()
         for j in tl.static_range(L if HOIST else 0):
@@ -392,11 +428,14 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                 g2 = g2s[j]
             else:
                 oh = _norm_o(t, obuf_ptr, h, kk, P, HD)
-                g2 = _norm_g(t, proj_ptr, spj, h, kk, P, HD)
+                g2 = _norm_g(t, proj_ptr, spj, h, kk, P, HD, ppl, PS)
             y = oh * rsqrt(tl.sum(oh * oh, axis=0) / HD + onorm_eps) * onw * sigmoid(g2)
             tl.store(core_ptr + t * sco + h * HD + kk, bf16(y))
         _carry_store(carry_q, cq, csb, csc, csp, sc > 0, W, L, SEQP, CT)
         _carry_store(carry_k, ck, csb, csc, csp, sc > 0, W, L, SEQP, CT)
     if CNT:
         pdl_wait(PRE)
+    if RST:  # at the end, where few registers are live (k1_mid completed before the wait above)
+        if (r == 0) & (h == 0) & (vb == 0):
+            ticket_reset(mctr_ptr, S, TPM)
     stamp(tl_ptr, tli + 3, TL)

@@ -22,6 +22,10 @@ TUNE: dict = dict(
     k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
     k1_xc=False,     # no AttnRes phase C, the in_proj items normalize x per block (same bits): H100 1x1 K1 63.2 vs 55.1 µs (v11)
+    k1_part=False,   # in_proj's K-split partials summed by the recurrence where it reads them (_k1._pj; same bits): no
+                     # split handshake at the end of in_proj's programs
+    k1_rst=False,    # k1_mid's counters reset by the recurrence after its wait (_jit.ticket_reset; same bits): no
+                     # done count at the end of every k1_mid program
     # K1 launch 2: conv, gates, recurrence, gated norm
     k1_nv=16,        # programs per (request, head) in the recurrence (value-row split), halved while
     rec_cap=400,     # requests·heads·k1_nv > rec_cap: 8x1 K1 52.8 vs 60.9 µs (the 1536 programs took 3 waves; v10)
@@ -128,7 +132,7 @@ def settings(rows: int) -> dict:
 # The knobs of each launch (call, index of the launch within the call): a launch's time
 # depends on its own knobs only, so the tuning pass picks each group's best independently.
 GROUPS: dict = {
-    ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc"),
+    ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc", "k1_part", "k1_rst"),
     ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_pdl",
                 "rec_cnt", "rec_occ"),
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
