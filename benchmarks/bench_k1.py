@@ -2,7 +2,7 @@
 process, each checked against the reference, and the per-program timeline of the two launches.
 
     PYTHONPATH=. python benchmarks/bench_k1.py [--cases 1x1,4x1,4x4,8x1,8x4]
-        [--variants "rec_pdl=1;rec_flat=1;rec_pdl=1,rec_flat=1"] [--timeline 8x4,4x1] [--json F]
+        [--variants "rec_pdl=1;rec_flat=1;rec_pdl=1,rec_flat=1"] [--rounds 5] [--timeline 8x4,4x1] [--json F]
 
 Per variant and case: K1 under CUDA-graph replay (median, NROT rotated copies of weights and
 inputs, as bench_fast), each launch alone, the byte floor over a 4 GiB torch.sum's bandwidth
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -119,9 +120,15 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", default="", help="cases to record the per-program timeline of (NVIDIA)")
     ap.add_argument("--tl-variants", default="", help="';'-separated variants recorded too (the defaults always)")
     ap.add_argument("--rot", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every (variant, case) this many times, the variants in turn within a case and their "
+                         "order rotated per round; the table has the median (clock drift falls on all alike)")
     ap.add_argument("--json", default="")
     ap.add_argument("--best", default="", help="write the winning variant 'k=v,...' here (empty: the defaults)")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        print(f"bench_k1: --rounds {a.rounds}: want >= 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_k1: needs a CUDA/ROCm device", file=sys.stderr)
         return 2
@@ -151,6 +158,7 @@ def main(argv=None) -> int:
     bf.log(f"bandwidth: sum {bw:.0f} GB/s")
     res = dict(bw=bw, variants=[], timeline={})
     table = []
+    by_case = {}
     for v in variants:
         bf.use(dict(base, **v))
         row = dict(variant=v, cases={})
@@ -159,6 +167,7 @@ def main(argv=None) -> int:
             chk = bf.check_k1(BACKEND, sets[0][0], sets[0][1])
             bad = [c["name"] for c in chk if not c["ok"]] + BACKEND.health()
             fns = [lambda s=s: BACKEND.kda_pre(s[0], **s[1]) for s in sets]
+            by_case[S, L] = fns
             t = bf.graph_time(fns)
             per = []
             for i in range(2):
@@ -166,11 +175,24 @@ def main(argv=None) -> int:
                     per.append(bf.graph_time([lambda f=f: (o.reset(), f()) for f in fns], reps=15))
             bad += BACKEND.health()
             floor = sum(bf.k1_floor(sets[0][0], sets[0][1], cfg)) / bw / 1e3
-            row["cases"][f"{S}x{L}"] = dict(us=t, floor=floor, launches=per, bad=bad)
+            row["cases"][f"{S}x{L}"] = dict(us=t, floor=floor, launches=per, bad=bad, rounds=[t])
             bf.log(f"  {v or 'defaults'} {S}x{L}: K1 {t:.1f} µs ({t / floor:.2f}x floor {floor:.1f}), "
                    f"alone {per[0]:.1f} + {per[1]:.1f}" + (f"  BAD {bad}" if bad else ""))
         res["variants"].append(row)
         table.append(row)
+    for r in range(1, a.rounds):
+        for S, L in cases:
+            for i in [(i + r) % len(variants) for i in range(len(variants))]:
+                bf.use(dict(base, **variants[i]))
+                c = table[i]["cases"][f"{S}x{L}"]
+                c["rounds"].append(bf.graph_time(by_case[S, L]))
+                c["bad"] += BACKEND.health()
+    if a.rounds > 1:
+        for row in table:
+            for k, c in row["cases"].items():
+                c["us"] = statistics.median(c["rounds"])
+                bf.log(f"  {row['variant'] or 'defaults'} {k}: rounds " + " ".join(f"{x:.1f}" for x in c["rounds"])
+                       + f", median {c['us']:.1f} µs")
     for v in tvars:
         for S, L in tcases:
             bf.use(dict(base, **v, stamps=True))
