@@ -22,10 +22,11 @@ TUNE: dict = dict(
     k1_split=2,      # K split of in_proj (partials + last-program sum in split order)
     k1_swap=False,   # weights on the MMA's M side (Hopper warpgroup MMA when k1_bn >= 64)
     k1_xc=False,     # no AttnRes phase C, the in_proj items normalize x per block (same bits): H100 1x1 K1 63.2 vs 55.1 µs (v11)
-    k1_part=False,   # in_proj's K-split partials summed by the recurrence where it reads them (_k1._pj; same bits): no
-                     # split handshake at the end of in_proj's programs
-    k1_rst=False,    # k1_mid's counters reset by the recurrence after its wait (_jit.ticket_reset; same bits): no
-                     # done count at the end of every k1_mid program
+    k1_part=True,    # in_proj's K-split partials summed by the recurrence where it reads them (_k1._pj; same bits): no
+                     # split handshake at the end of in_proj's programs. Needs rec_occ=3 (L = 4: 174 registers without)
+    k1_rst=True,     # k1_mid's counters reset by the recurrence at its end (_jit.ticket_reset; same bits): no done
+                     # count at the end of every k1_mid program. H200 bench_k1 --rounds 5, K1 µs 1x1/4x4/8x4: both
+                     # 40.0/45.8/47.4, k1_rst 42.9/46.1/47.5, k1_part 42.0/47.2/48.7, neither 43.1/47.1/48.9 (v24)
     # K1 launch 2: conv, gates, recurrence, gated norm
     k1_nv=16,        # programs per (request, head) in the recurrence (value-row split), halved while
     rec_cap=400,     # requests·heads·k1_nv > rec_cap: 8x1 K1 52.8 vs 60.9 µs (the 1536 programs took 3 waves; v10)
@@ -40,6 +41,8 @@ TUNE: dict = dict(
     rec_ct=True,     # the conv windows as [channels, positions] tiles, so the state keeps the layout of its stores
                      # (same bits; L = 4, k1_nv=16: 84 -> 76 CTA barriers, no per-token shared-memory copy):
                      # H100 K1 4x4 56.9 vs 57.5, 8x4 59.6 vs 60.2 µs (v15)
+    rec_early=0,     # with rec_hoist: the conv outputs (1), and beta, the q/k windows and g2 rows (2), before the gates'
+                     # MMA, their loads issued with the first ones after the wait (_k1.k1_rec_kernel EARLY; same bits)
     rec_pdl=True,    # NVIDIA: the recurrence as k1_mid's programmatic dependent, its state/w_fb loads before the wait:
                      # H100 K1 8x1 59.1 vs 62.3, 8x4 63.6 vs 65.2 µs, same bits (v11)
     rec_cnt=0,       # 1: the recurrence waits on k1_mid's count of stored in_proj row blocks, not on the grid
@@ -47,11 +50,11 @@ TUNE: dict = dict(
                      # volatile loads (_jit.wait_ge LD). 1 vs 0, H100 bench_fast K1 µs 1x1..8x4: 53.0/54.4/56.4/
                      # 57.8/67.0 vs 53.1/55.7/56.7/57.7/58.7; H200 bench_k1 4x4/8x4 46.5/57.1 vs 46.7/49.1 (v17):
                      # off. On its own line since: 8x4 66.8 vs 58.9 still (H100, v20): the loss is registers, below
-    rec_occ=0,       # NVIDIA: cap the recurrence's registers so rec_occ programs fit an SM (ptxas maxnreg; 0: none).
+    rec_occ=3,       # NVIDIA: cap the recurrence's registers so rec_occ programs fit an SM (ptxas maxnreg; 0: none).
                      # rec_cnt's poll takes the L = 4 build from 168 to 173 registers (Triton 3.6, sm_90), two
                      # programs per SM, and 8x4's 384 programs a second wave; capped at 168 (3) it spills nothing.
                      # H100 bench_k1 K1 1x1/4x4/8x4, rec_cnt=1: 52.5/58.3/59.8 with 3, 54.1/56.4/66.8 without,
-                     # defaults 58.3/56.5/58.9 µs (v20): the wave is gone, no gain at L = 4, so both stay off
+                     # defaults 58.3/56.5/58.9 µs (v20): the wave is gone, no gain at L = 4. On for k1_part (v24)
     stamps=False,    # NVIDIA: timeline build of K1 (%globaltimer per program into scratch; bench_fast --timeline)
     # K2 launch 1: o_proj
     k2_bn=16, k2_bk=256, k2_warps=1, k2_stages=3, k2_swap=False, o_split=1,
@@ -133,8 +136,8 @@ def settings(rows: int) -> dict:
 # depends on its own knobs only, so the tuning pass picks each group's best independently.
 GROUPS: dict = {
     ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc", "k1_part", "k1_rst"),
-    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_pdl",
-                "rec_cnt", "rec_occ"),
+    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_early",
+                "rec_pdl", "rec_cnt", "rec_occ"),
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
