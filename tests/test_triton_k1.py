@@ -228,13 +228,19 @@ def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
     _, b, _, tb = _run(backend, key, kw)
     tune.update(**{knob: not TUNE[knob]})
+    _same_bits(backend, key, kw, b, tb)
+
+
+def _same_bits(backend, key, kw, b, tb):
+    """Another call matches the reference and gives the bits (b, taps tb) of the first, every tap
+    included, and leaves the backend healthy (no handshake counter left behind, no wait gave up)."""
     a, c, ta, tc = _run(backend, key, kw)
     _check(key, kw, a, c, ta, tc)
     for n in ("prefix", "blocks", "conv_state", "rstate", "core_out"):
         assert torch.equal(_bits(c[n]), _bits(b[n])), n
     for n in tb:
         assert torch.equal(_bits(tc[n]), _bits(tb[n])), f"tap {n}"
-    assert backend.health() == []  # no handshake counter left behind, no wait gave up
+    assert backend.health() == []
 
 
 @pytest.mark.parametrize("over", [dict(k1_split=4, rec_flat=True), dict(k1_split=4, rec_gt=False, rec_hoist=False),
@@ -251,13 +257,7 @@ def test_k1_part_and_rst_same_bits(backend, tune, k1_case, over):
     _, b, _, tb = _run(backend, key, kw)
     tune.update(k1_part=True, k1_rst=True, rec_early=over.get("rec_early", 0))
     for _ in range(2):
-        a, c, ta, tc = _run(backend, key, kw)
-        _check(key, kw, a, c, ta, tc)
-        for n in ("prefix", "blocks", "conv_state", "rstate", "core_out"):
-            assert torch.equal(_bits(c[n]), _bits(b[n])), n
-        for n in tb:
-            assert torch.equal(_bits(tc[n]), _bits(tb[n])), f"tap {n}"
-        assert backend.health() == []
+        _same_bits(backend, key, kw, b, tb)
 
 
 def test_k1_rst_counters_survive_a_failed_recurrence_launch(backend, tune, k1_case, monkeypatch):
