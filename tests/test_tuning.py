@@ -80,7 +80,8 @@ def test_env_overrides_win_over_tune_and_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("text, names", [("k1_splitt=4", "'k1_splitt'"), ("k1_split", "'k1_split'"),
-                                         ("k1_split=four", "k1_split='four'"), ("rec_lean=2", "rec_lean='2'")])
+                                         ("k1_split=four", "k1_split='four'"), ("rec_lean=2", "rec_lean='2'"),
+                                         ("rec_cnt=1", "rec_cnt=1 cannot be combined with k1_part or k1_rst")])
 def test_env_override_errors_name_the_knob(monkeypatch, text, names):
     from fast.triton import BACKEND
     from harness.errors import InputError

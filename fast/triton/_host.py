@@ -15,7 +15,7 @@ from ref import abi
 from ref.config import K2Build, KdaPreBuild
 
 from . import _jit, _k1, _k2
-from .tuning import settings
+from .tuning import check_combination, settings
 
 _SCRATCH: dict = {}
 _LOCK = threading.Lock()  # one enqueue at a time (the interpreter is not thread-safe)
@@ -127,6 +127,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     bk = _bk(H, T["k1_bk"])
     bn = T["k1_bn"]
     ar = _ares_dims(H, key.nblocks, T["k1_hc"])
+    SP = max(16, _p2(S))  # token rows of the K-split partials' planes
     sc = _scratch("k1", key, dev, (S, H, NP, NH, HD, ar["CHP"]), 0, lambda: dict(
         x=torch.empty(S, H, dtype=torch.bfloat16, device=dev),
         proj=torch.empty(S, NP, dtype=torch.bfloat16, device=dev),
@@ -135,7 +136,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
         ctr_rec=torch.zeros(R * NH, dtype=torch.int32, device=dev),
         ctr_cnt=torch.zeros(32, dtype=torch.int32, device=dev),  # rec_cnt's count, a 128-byte line of its own
         **_ares_scratch(S, H, key.nblocks, T["k1_hc"], dev),
-        part=torch.empty(16, max(16, _p2(S)), NP, dtype=torch.float32, device=dev),  # K-split partials
+        part=torch.empty(16, SP, NP, dtype=torch.float32, device=dev),  # K-split partials
         ctr_n=torch.zeros(triton_cdiv(NP, 16), dtype=torch.int32, device=dev)))
     add = 1 if delta is not None else 0
     dptr = delta if delta is not None else prefix
@@ -148,10 +149,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
     cnt = int(T["rec_cnt"])
     ps = spl if T["k1_part"] and spl > 1 else 0  # partials summed by the recurrence (k1_mid PART)
     rst = bool(T["k1_rst"])
-    if cnt and (ps or rst):
-        raise ValueError("TUNE rec_cnt cannot be combined with k1_part or k1_rst: its poll replaces the wait for "
-                         "k1_mid's completion that both rely on")
-    SP = max(16, _p2(S))
+    check_combination(T)
     stamps = {}
     if T["stamps"] and nvidia:  # timeline build: %globaltimer per program (benchmarks/bench_fast.py --timeline)
         for n, size in (("tl_mid", grid_mid * 4), ("tl_rec", R * NH * NV * 4)):

@@ -117,11 +117,22 @@ def _parse(text: str, src: str) -> tuple:
     return tuple(out)
 
 
+def check_combination(knobs: dict, src: str = "TUNE") -> None:
+    """ValueError naming src and the knobs for settings that cannot run together: rec_cnt's poll
+    replaces the wait for k1_mid's completion that k1_part and k1_rst rely on."""
+    if knobs["rec_cnt"] and (knobs["k1_part"] or knobs["k1_rst"]):
+        raise ValueError(f"{src}: rec_cnt={knobs['rec_cnt']} cannot be combined with k1_part or k1_rst (set "
+                         f"k1_part=0,k1_rst=0): its poll replaces the wait for k1_mid's completion that both rely on")
+
+
 def env_overrides() -> dict:
     """Knobs set by the environment, over TUNE and ROWS: K3VERIFY_TRITON_TUNE='poll_nap=400,k1_split=4'
     tries a setting in replays and benchmarks without an edit (the test suite refuses to run with it set).
-    ValueError naming the knob on a malformed value (the backend is then not available)."""
-    return parse_knobs(os.environ.get(ENV, ""))
+    ValueError naming the knob on a malformed value or a combination that cannot run with TUNE
+    (the backend is then not available)."""
+    out = parse_knobs(os.environ.get(ENV, ""))
+    check_combination(dict(TUNE, **out), ENV)
+    return out
 
 
 def settings(rows: int) -> dict:
