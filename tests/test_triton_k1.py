@@ -205,8 +205,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_cnt", "k1_part", "k1_rst",
-                                  "rec_early"])
+@pytest.mark.parametrize("knob", ["k1_xc", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_cnt", "k1_part", "k1_rst"])
 def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     """k1_xc (no AttnRes phase C: the in_proj items normalize x block by block, the rows' factor
     summed in the same chunk order), rec_flat (the token chain with q/k in the state's layout,
@@ -214,9 +213,8 @@ def test_k1_layout_knobs_same_bits(backend, tune, k1_case, knob):
     the chain) and rec_hoist (every token's conv outputs before the chain, the gated norm's g2
     rows and the q/k windows before its stores), rec_ct (the conv windows as [channels,
     positions] tiles), rec_cnt (the recurrence's wait a poll of stored in_proj row blocks),
-    k1_part (in_proj's K-split partials summed where the recurrence reads them), k1_rst
-    (k1_mid's counters reset by the recurrence) and rec_early (the conv outputs before the gates'
-    MMA), flipped from their defaults, give the default
+    k1_part (in_proj's K-split partials summed where the recurrence reads them) and k1_rst
+    (k1_mid's counters reset by the recurrence), flipped from their defaults, give the default
     launch's bits, every tap included, match the reference and leave the backend healthy."""
     from fast.triton.tuning import TUNE
 
@@ -244,18 +242,16 @@ def _same_bits(backend, key, kw, b, tb):
 
 
 @pytest.mark.parametrize("over", [dict(k1_split=4, rec_flat=True), dict(k1_split=4, rec_gt=False, rec_hoist=False),
-                                  dict(k1_split=2, rec_lean=False, rec_ct=False), dict(k1_split=4, rec_early=2)])
+                                  dict(k1_split=2, rec_lean=False, rec_ct=False)])
 def test_k1_part_and_rst_same_bits(backend, tune, k1_case, over):
     """k1_part and k1_rst together, over a K split of 2 and 4 (the sum's order shows from 3 partials
     on) and every path of the recurrence that reads in_proj rows (the flat chain's scalar beta, the
     gates' [LP, HD] MMA, the unhoisted windows and g2 rows), give the plain launch's bits, taps
-    included, twice in a row (the second call runs on the counters the first one's recurrence reset);
-    with rec_early=2, beta, the q/k windows and the g2 rows are read before the gates' MMA too."""
-    tune.update(k1_nv=2, k1_hc=48, k1_bk=32, k1_part=False, k1_rst=False, rec_early=0,
-                **{k: v for k, v in over.items() if k != "rec_early"})
+    included, twice in a row (the second call runs on the counters the first one's recurrence reset)."""
+    tune.update(k1_nv=2, k1_hc=48, k1_bk=32, k1_part=False, k1_rst=False, **over)
     key, kw = k1_case(layer=2, R=4, L=3, with_delta=True, pad_every=2)
     _, b, _, tb = _run(backend, key, kw)
-    tune.update(k1_part=True, k1_rst=True, rec_early=over.get("rec_early", 0))
+    tune.update(k1_part=True, k1_rst=True)
     for _ in range(2):
         _same_bits(backend, key, kw, b, tb)
 

@@ -184,7 +184,7 @@ def kda_pre(key: KdaPreBuild, *, prefix, delta, blocks, ares_nw, ares_qk, in_nw,
                 CT=T["rec_ct"], num_warps=T["rec_warps"], enable_fp_fusion=False, cnt_ptr=sc["ctr_cnt"],
                 nblk=triton_cdiv(NP, bn), spin=T["spin"], CNT=cnt > 0, LD=cnt == 2 or T["poll_ld"], **_nap(dev, T),
                 **_occ(dev, T["rec_occ"], T["rec_warps"]), ppl=SP * NP, PS=ps, mctr_ptr=sc["ctr"], S=S, TPM=_p2(S),
-                RST=rst, EARLY=T["rec_early"], **stamps.get("rec", {}),
+                RST=rst, **stamps.get("rec", {}),
                 **dict(_pdl(dev, T), **(dict(launch_pdl=True) if pre else {})))  # fp32 conv_w: w·seq rounds, then adds (as ref/conv.py)
     except BaseException:
         if rst:  # k1_mid's counters wait for this launch's reset

@@ -292,7 +292,7 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
                   CT: tl.constexpr = False, tl_ptr=None,
                   TL: tl.constexpr = False, cnt_ptr=None, nblk=0, spin=0, CNT: tl.constexpr = False,
                   LD: tl.constexpr = False, NAP: tl.constexpr = 0, ppl=0, PS: tl.constexpr = 0, mctr_ptr=None,
-                  S=0, TPM: tl.constexpr = 1, RST: tl.constexpr = False, EARLY: tl.constexpr = 0):
+                  S=0, TPM: tl.constexpr = 1, RST: tl.constexpr = False):
     """Grid (R, NH, NV): steps 5-8 for request r, head h, value rows [vb·BV, (vb+1)·BV).
 
     Each program owns its v rows of the state and of the v conv channels. The q/k conv
@@ -316,9 +316,6 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
     PS > 0 (k1_mid PART): proj_ptr holds k1_mid's PS K-split partials (planes ppl apart), summed
     where they are read (_pj). RST (k1_mid RST): program (0, 0, 0), at its end, resets k1_mid's
     S-row counters at mctr_ptr (ticket_reset).
-    EARLY (with HOIST): every token's conv outputs (1), and beta, the q/k windows and the g2 rows (2),
-    before the gates' MMA, so their loads go out with the first ones after the wait instead of each
-    waiting for the shared-memory round trips of the code before them.
     """
     if not PRE:
         pdl_enter(PDL)
@@ -362,14 +359,6 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         pdl_wait(PRE)
     stamp(tl_ptr, tli + 1, TL)
     carry_v = _carry_load(cv, csb, csc, csp, a, proj_ptr, spj, row0, W, L, SEQP, CT, ppl, PS)  # before the chain: no wait after it
-    if EARLY >= 2:
-        beta_all = _beta_all(proj_ptr, spj, row0, rl, h, P, RANK, L, ppl, PS)
-        if HOIST:
-            carry_q, carry_k, g2s = _hoist_rows(cq, ck, csb, csc, csp, a, proj_ptr, spj, row0, h, kk, W, L, SEQP, CT,
-                                                P, HD, ppl, PS)
-    convs = ()
-    for j in tl.static_range(L if HOIST and not FLAT and EARLY >= 1 else 0):
-        convs = convs + (_conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS),)
     # gates of all L tokens at once: g1 = bf16(f_a @ w_fb[head]^T) as one small MMA
     if GT:  # [HD, LP]: the MMA's layout stays off the state (its [LP, HD] form made the state change layout per token)
         fat = _pj(proj_ptr, (row0 + rl)[None, :] * spj + 4 * P + ri[:, None], (rl < L)[None, :], ppl, PS)
@@ -379,17 +368,17 @@ def k1_rec_kernel(proj_ptr, spj, cw_ptr, scw, cs_ptr, css, csc, csp, wfb_ptr, sf
         fa = _pj(proj_ptr, (row0 + rl)[:, None] * spj + 4 * P + ri[None, :], (rl < L)[:, None], ppl, PS)
         g1 = bf16(mma(fa, wfb, tl.zeros((LP, HD), dtype=tl.float32))).to(tl.float32)
         gate_all = lower_bound * sigmoid(A * (g1 + dtb))  # [LP, HD]
-    if EARLY < 2:
-        beta_all = _beta_all(proj_ptr, spj, row0, rl, h, P, RANK, L, ppl, PS)
-        if HOIST:
-            carry_q, carry_k, g2s = _hoist_rows(cq, ck, csb, csc, csp, a, proj_ptr, spj, row0, h, kk, W, L, SEQP, CT,
-                                                P, HD, ppl, PS)
+    beta_all = _beta_all(proj_ptr, spj, row0, rl, h, P, RANK, L, ppl, PS)
+    if HOIST:
+        carry_q, carry_k, g2s = _hoist_rows(cq, ck, csb, csc, csp, a, proj_ptr, spj, row0, h, kk, W, L, SEQP, CT,
+                                            P, HD, ppl, PS)
     if FLAT:
         _chain_flat(st, live, cq, ck, cv, vv, kk, rl, gate_all, r, h, row0, a, slots, proj_ptr, spj, cw_ptr, scw,
                     csb, csc, csp, rbase, rss, full, st_ptr, str_, stj, obuf_ptr, tconv_ptr, tgate_ptr, tbeta_ptr,
                     L, W, NH, HD, RANK, BV, LP, TAPS, GT, ppl, PS)
     ob = tl.zeros((BV, LP), dtype=tl.float32)
-    for j in tl.static_range(L if HOIST and not FLAT and EARLY == 0 else 0):
+    convs = ()
+    for j in tl.static_range(L if HOIST and not FLAT else 0):
         convs = convs + (_conv_qkv(j, W, cq, ck, cv, cw_ptr, scw, csb, csc, csp, a, proj_ptr, spj, row0, ppl, PS),)
     for j in tl.static_range(0 if FLAT else L):
         t = row0 + j

@@ -41,8 +41,6 @@ TUNE: dict = dict(
     rec_ct=True,     # the conv windows as [channels, positions] tiles, so the state keeps the layout of its stores
                      # (same bits; L = 4, k1_nv=16: 84 -> 76 CTA barriers, no per-token shared-memory copy):
                      # H100 K1 4x4 56.9 vs 57.5, 8x4 59.6 vs 60.2 µs (v15)
-    rec_early=0,     # with rec_hoist: the conv outputs (1), and beta, the q/k windows and g2 rows (2), before the gates'
-                     # MMA, their loads issued with the first ones after the wait (_k1.k1_rec_kernel EARLY; same bits)
     rec_pdl=True,    # NVIDIA: the recurrence as k1_mid's programmatic dependent, its state/w_fb loads before the wait:
                      # H100 K1 8x1 59.1 vs 62.3, 8x4 63.6 vs 65.2 µs, same bits (v11)
     rec_cnt=0,       # 1: the recurrence waits on k1_mid's count of stored in_proj row blocks, not on the grid
@@ -147,8 +145,8 @@ def settings(rows: int) -> dict:
 # depends on its own knobs only, so the tuning pass picks each group's best independently.
 GROUPS: dict = {
     ("k1", 0): ("k1_hc", "k1_bn", "k1_bk", "k1_warps", "k1_stages", "k1_split", "k1_swap", "k1_xc", "k1_part", "k1_rst"),
-    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_early",
-                "rec_pdl", "rec_cnt", "rec_occ"),
+    ("k1", 1): ("k1_nv", "rec_cap", "rec_warps", "rec_gt", "rec_flat", "rec_lean", "rec_hoist", "rec_ct", "rec_pdl",
+                "rec_cnt", "rec_occ"),
     ("k2", 0): ("k2_bn", "k2_bk", "k2_warps", "k2_stages", "k2_swap", "o_split"),
     ("k2", 1): ("mid_hc", "mid_bn", "mid_bnl", "mid_bns", "mid_bk", "mid_warps", "mid_stages", "mid_swap",
                 "mid_split"),
